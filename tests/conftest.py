@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny models and variable-length token batches, all generated (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class TinyCausalLM(nn.Module):
+    """A plain causal LM returning a mean token loss over labels[1:] (Hugging Face convention)."""
+
+    loss_shifts_labels = True
+
+    def __init__(self, vocab: int = 50, dim: int = 32, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        h = self.dropout(self.embed(input_ids))
+        h = h + torch.tanh(self.mix(torch.cumsum(h, dim=1) / torch.arange(1, h.shape[1] + 1)[:, None]))
+        logits = self.head(self.norm(h))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def token_batch(batch_size: int = 8, max_len: int = 24, vocab: int = 50, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded token batch with very different lengths per row (so naive averaging would be wrong)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, max_len + 1, (batch_size,), generator=g)
+    lengths[0], lengths[-1] = 3, max_len
+    # Learnable rows: arithmetic sequences (random start and stride), so the next token follows from the last two.
+    start = torch.randint(0, vocab - 3, (batch_size, 1), generator=g)
+    stride = torch.randint(1, 5, (batch_size, 1), generator=g)
+    ids = (start + stride * torch.arange(max_len)) % (vocab - 3) + 3
+    mask = torch.arange(max_len)[None, :] < lengths[:, None]
+    labels = ids.masked_fill(~mask, -100)
+    return {"input_ids": ids.masked_fill(~mask, 0), "attention_mask": mask.long(), "labels": labels}
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Samples of a fixed token batch, padded per sample to the same length (collate = default stacking)."""
+
+    def __init__(self, n: int = 64, max_len: int = 24, vocab: int = 50, seed: int = 0) -> None:
+        self.batch = token_batch(n, max_len, vocab, seed)
+
+    def __len__(self) -> int:
+        return self.batch["input_ids"].shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.batch.items()}
+
+
+def tiny_llama(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.fixture
+def tiny_lm():
+    torch.manual_seed(0)
+    return TinyCausalLM()

@@ -1,0 +1,123 @@
+"""Gradient accumulation: any micro-batch split gives the full-batch gradient (token-weighted, variable lengths)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TinyCausalLM, tiny_llama, token_batch
+
+from vlmfast.strategies.accumulation import (
+    accumulate_gradients,
+    count_loss_tokens,
+    model_accepts_num_items,
+    model_shifts_labels,
+)
+
+
+def full_batch_gradient(model, batch):
+    model.zero_grad()
+    out = model(**batch)
+    loss = out["loss"] if isinstance(out, dict) else out.loss
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.item()
+
+
+def accumulated_gradient(model, batch, micro_batch_size, **kwargs):
+    model.zero_grad()
+    loss = accumulate_gradients(model, batch, micro_batch_size, **kwargs)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.item()
+
+
+def assert_grads_close(actual, expected, rtol=1e-5):
+    for name, grad in expected.items():
+        scale = grad.abs().max().clamp_min(1e-12)
+        err = (actual[name] - grad).abs().max() / scale
+        assert err <= rtol, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 4])
+def test_token_weighted_gradient_equals_full_batch(tiny_lm, micro_batch_size):
+    batch = token_batch(batch_size=8)
+    expected, expected_loss = full_batch_gradient(tiny_lm, batch)
+    actual, loss = accumulated_gradient(tiny_lm, batch, micro_batch_size)
+    assert_grads_close(actual, expected)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_naive_mean_of_means_would_fail_this_test(tiny_lm):
+    """The test above has teeth: dividing each micro-batch mean by the number of micro-batches is wrong here."""
+    batch = token_batch(batch_size=8)
+    expected, _ = full_batch_gradient(tiny_lm, batch)
+    actual, _ = accumulated_gradient(tiny_lm, batch, 2, weighting="samples")
+    with pytest.raises(AssertionError):
+        assert_grads_close(actual, expected)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 4])
+def test_hugging_face_model_gets_num_items_in_batch_and_matches(micro_batch_size):
+    model = tiny_llama()
+    assert model_accepts_num_items(model) and model_shifts_labels(model)
+    batch = token_batch(batch_size=8)
+    expected, expected_loss = full_batch_gradient(model, batch)
+    seen = []
+    original_forward = model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("num_items_in_batch"))
+        return original_forward(*args, **kwargs)
+
+    model.forward = spy
+    actual, loss = accumulated_gradient(model, batch, micro_batch_size)
+    assert seen == [count_loss_tokens(batch, shift=True)] * (8 // micro_batch_size)
+    assert_grads_close(actual, expected)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 4])
+def test_loss_fn_returning_sum_and_count_is_exact(micro_batch_size):
+    torch.manual_seed(0)
+    model = TinyCausalLM()
+    batch = token_batch(batch_size=8)
+    expected, expected_loss = full_batch_gradient(model, batch)
+
+    def loss_fn(model, mb):  # the count is known only after forward: exercises the post-backward correction
+        logits = model(input_ids=mb["input_ids"], labels=mb["targets"])["logits"]
+        targets = mb["targets"][:, 1:]
+        losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none")
+        valid = targets != -100
+        return (losses * valid).sum(), valid.sum()
+
+    unlabelled = {"input_ids": batch["input_ids"], "targets": batch["labels"]}  # nothing vlmfast could count
+    actual, loss = accumulated_gradient(model, unlabelled, micro_batch_size, loss_fn=loss_fn)
+    assert_grads_close(actual, expected)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_sample_weighting_for_models_without_labels():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x, y):
+            return ((self.inner(x) - y) ** 2).mean()
+
+    wrapped = Wrapped()
+    wrapped(x, y).backward()
+    expected = {n: p.grad.clone() for n, p in wrapped.named_parameters()}
+    wrapped.zero_grad()
+    accumulate_gradients(wrapped, (x, y), 2)
+    assert_grads_close({n: p.grad for n, p in wrapped.named_parameters()}, expected)
+
+
+def test_shift_detection_counts_the_right_tokens():
+    batch = token_batch(batch_size=4)
+    assert count_loss_tokens(batch, shift=False) - count_loss_tokens(batch, shift=True) == 4
+    assert not model_shifts_labels(torch.nn.Linear(2, 2))
+    assert not model_accepts_num_items(copy.deepcopy(TinyCausalLM()))

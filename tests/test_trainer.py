@@ -1,0 +1,212 @@
+"""OptimizedTrainer end to end: model kinds, exact resume, signals, non-finite policy, optimizer features."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from conftest import TinyCausalLM, TokenDataset, tiny_llama
+from torch.utils.data import TensorDataset
+
+from vlmfast import Callback, NonFiniteLossError, OptimizedTrainer, SpecError, TrainSpec
+
+
+def make_spec(**overrides):
+    base = {"max_steps": 12, "batch_size": 8, "micro_batch_size": 2, "optimizer": {"lr": 1e-2},
+            "log": {"progress": "off"}}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return TrainSpec(**base)
+
+
+def train(spec, model=None, data=None, **kwargs):
+    torch.manual_seed(1234)  # a different init each time unless the trainer seeds (it does: spec.seed)
+    trainer = OptimizedTrainer(model or TinyCausalLM(dropout=0.1), data or TokenDataset(64), spec, **kwargs)
+    return trainer, trainer.fit()
+
+
+def params_of(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_plain_module_returning_a_tensor_learns():
+    torch.manual_seed(0)
+    x = torch.randn(128, 6)
+    y = x @ torch.randn(6, 1)
+
+    class Regressor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(6, 1)
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(self.linear(x), y)
+
+    _, result = train(make_spec(max_steps=60, optimizer={"lr": 0.1}), Regressor(), TensorDataset(x, y))
+    assert result.history[-1]["loss"] < 0.1 * result.history[0]["loss"]
+    assert result.history[-1]["micro_batch_size"] == 2 and result.history[-1]["accumulation_steps"] == 4
+
+
+def test_hugging_face_model_from_a_tiny_config_learns():
+    trainer, result = train(make_spec(max_steps=25), tiny_llama(), TokenDataset(64))
+    assert trainer.accumulation.passes_num_items
+    assert result.history[-1]["loss"] < result.history[0]["loss"] - 0.5
+
+
+def test_resume_reproduces_the_uninterrupted_trajectory_exactly(tmp_path):
+    _, full = train(make_spec())
+    first = make_spec(max_steps=6, save={"dir": str(tmp_path), "every_steps": 3})
+    _, head = train(first)
+    assert [m["loss"] for m in head.history] == [m["loss"] for m in full.history[:6]]
+    trainer, tail = train(make_spec(save={"dir": str(tmp_path)}))  # resume: auto
+    assert tail.resumed_from is not None and tail.resumed_from.name == "step_00000006"
+    assert [m["step"] for m in tail.history] == list(range(7, 13))
+    assert [m["loss"] for m in tail.history] == [m["loss"] for m in full.history[6:]]
+
+
+def test_resume_with_a_different_micro_batch_size_is_allowed_but_batch_size_is_not(tmp_path):
+    train(make_spec(max_steps=4, save={"dir": str(tmp_path)}))
+    trainer, result = train(make_spec(max_steps=6, micro_batch_size=4, save={"dir": str(tmp_path)}))
+    assert result.history[0]["step"] == 5 and trainer.state.micro_batch_size == 4
+    with pytest.raises(SpecError, match="batch_size=8 but the spec now says 16"):
+        train(make_spec(max_steps=8, batch_size=16, micro_batch_size=4, save={"dir": str(tmp_path)}))
+
+
+class SendSignalAt(Callback):
+    def __init__(self, step, signum):
+        self.step, self.signum = step, signum
+
+    def on_step_end(self, trainer, metrics):
+        if metrics["step"] == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_writes_a_final_checkpoint_and_resume_continues_exactly(tmp_path, signum):
+    _, full = train(make_spec())
+    spec = make_spec(save={"dir": str(tmp_path)})
+    _, stopped = train(spec, callbacks=[SendSignalAt(5, signum)])
+    assert stopped.interrupted == signal.Signals(signum).name
+    assert stopped.checkpoint.name == "step_00000005"
+    _, resumed = train(spec)
+    assert [m["loss"] for m in resumed.history] == [m["loss"] for m in full.history[5:]]
+
+
+class NaNAt:
+    """A loss_fn that returns NaN on the k-th call."""
+
+    def __init__(self, k):
+        self.k, self.calls = k, 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        loss = model(**batch)["loss"]
+        return loss * float("nan") if self.calls == self.k else loss
+
+
+def test_nonfinite_loss_stops_naming_the_step():
+    with pytest.raises(NonFiniteLossError, match="step 3: loss is nan"):
+        train(make_spec(micro_batch_size=8), loss_fn=NaNAt(3))
+
+
+def test_nonfinite_loss_skip_policy_leaves_parameters_untouched():
+    snapshots = {}
+
+    class Snapshot(Callback):
+        def on_step_end(self, trainer, metrics):
+            snapshots[metrics["step"]] = params_of(trainer.model)
+
+    trainer, result = train(make_spec(micro_batch_size=8, loss={"on_nonfinite": "skip"}),
+                            loss_fn=NaNAt(3), callbacks=[Snapshot()])
+    assert result.report.skipped_steps == 1 and result.history[2]["skipped"]
+    for name, value in snapshots[2].items():
+        assert torch.equal(value, snapshots[3][name]), name
+    assert trainer.state.step == 12
+
+
+def test_nonfinite_gradient_names_the_parameter_group():
+    class InfGradInHead(TinyCausalLM):
+        def forward(self, input_ids, labels=None, attention_mask=None):
+            out = super().forward(input_ids, labels)
+            w = self.head.bias[0]
+            out["loss"] = out["loss"] + torch.sqrt(w - w.detach())  # value 0, gradient inf
+            return out
+
+    spec = make_spec(grad_clip=1.0, optimizer={"param_groups": [{"modules": ["head"], "lr": 1e-3}]})
+    with pytest.raises(NonFiniteLossError, match=r"step 1: .*gradient norm inf; non-finite gradients in "
+                                                 r"group 'head \(no decay\)' \(head.bias\)"):
+        train(spec, InfGradInHead())
+
+
+def test_freeze_keeps_named_modules_unchanged_and_bad_patterns_fail():
+    model = TinyCausalLM()
+    before = params_of(model)
+    trainer, _ = train(make_spec(max_steps=3, optimizer={"freeze": ["embed"]}), model)
+    after = params_of(trainer.model)
+    assert torch.equal(before["embed.weight"], after["embed.weight"])
+    assert not torch.equal(before["head.weight"], after["head.weight"])
+    with pytest.raises(ValueError, match="'vision_tower' matches no parameter; top-level modules are"):
+        train(make_spec(optimizer={"freeze": ["vision_tower"]}))
+
+
+def test_param_groups_get_their_own_lr_and_no_decay_for_1d_tensors():
+    spec = make_spec(max_steps=1, optimizer={"lr": 1e-2, "weight_decay": 0.1,
+                                             "param_groups": [{"modules": ["head"], "lr": 1e-4}]})
+    trainer, _ = train(spec)
+    groups = {g["label"]: (g["lr"], g["weight_decay"]) for g in trainer.optimizer.param_groups}
+    assert groups["head (decay)"] == (1e-4, 0.1)
+    assert groups["head (no decay)"] == (1e-4, 0.0)
+    assert groups["embed, mix (decay)"] == (1e-2, 0.1)
+    assert groups["mix, norm (no decay)"] == (1e-2, 0.0)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_precision_really_changes_the_compute_dtype(precision, dtype):
+    model = TinyCausalLM()
+    seen = []
+    model.mix.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    _, result = train(make_spec(max_steps=2, precision=precision), model)
+    assert set(seen) == {dtype}
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+    assert torch.isfinite(torch.tensor(result.history[-1]["loss"]))
+
+
+def test_grad_clip_bounds_the_norm_the_optimizer_sees():
+    norms = []
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), make_spec(max_steps=3, grad_clip=1e-3))
+    trainer.optimizer.register_step_pre_hook(lambda opt, *_: norms.append(torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for g in opt.param_groups for p in g["params"]])).item()))
+    result = trainer.fit()
+    assert all(m["grad_norm"] > 1e-2 for m in result.history)  # pre-clip norm is reported
+    assert max(norms) <= 1e-3 * (1 + 1e-4)
+
+
+def test_metrics_jsonl_tensorboard_and_report_are_written(tmp_path):
+    _, result = train(make_spec(max_steps=4, log={"dir": str(tmp_path), "tensorboard": True}))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and '"samples_per_s"' in lines[0] and '"mem/peak_gb"' in lines[0]
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+    assert (tmp_path / "report.json").exists()
+    text = result.report.to_text()
+    assert "samples/s" in text and "accumulation: 4 micro-batch(es) of 2" in text and "weighted by loss tokens" in text
+
+
+def test_eval_loss_is_token_weighted_and_independent_of_micro_batch_size():
+    losses = []
+    for mbs in (1, 8):
+        torch.manual_seed(0)
+        trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), make_spec(max_steps=1, micro_batch_size=mbs),
+                                   eval_data=TokenDataset(16, seed=5))
+        losses.append(trainer.evaluate())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_user_dataloader_with_a_mismatched_batch_size_is_refused():
+    loader = torch.utils.data.DataLoader(TokenDataset(64), batch_size=4)
+    with pytest.raises(ValueError, match="yields batches of 4 but batch_size is 8"):
+        train(make_spec(), data=loader)

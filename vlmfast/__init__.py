@@ -1,0 +1,24 @@
+"""vlmfast: fast, out-of-memory-proof PyTorch training for vision-language models, one flag at a time.
+
+Usage::
+
+    from vlmfast import OptimizedTrainer, TrainSpec
+    result = OptimizedTrainer(model, dataset, TrainSpec.from_file("run.yaml"), collate_fn=collate).fit()
+"""
+
+from vlmfast.callbacks import Callback
+from vlmfast.spec import SpecError, TrainSpec
+from vlmfast.trainer import FitResult, NonFiniteLossError, OptimizedTrainer, TrainState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Callback",
+    "FitResult",
+    "NonFiniteLossError",
+    "OptimizedTrainer",
+    "SpecError",
+    "TrainSpec",
+    "TrainState",
+    "__version__",
+]

@@ -1,0 +1,146 @@
+"""The training loader: yields whole per-rank optimizer batches forever and can resume mid-epoch exactly.
+
+Usage::
+
+    loader = ResumableLoader(dataset, batch_size=16, spec=DataSpec(), seed=0, collate_fn=collate)
+    batch = next(loader)                       # loader.state_dict() -> {"epoch": 0, "batch_in_epoch": 1}
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+from vlmfast.spec import DataSpec
+
+log = logging.getLogger(__name__)
+
+
+class EpochSampler(Sampler[int]):
+    """A seeded per-epoch permutation, sharded across ranks, that can start at any batch of the epoch."""
+
+    def __init__(self, num_samples: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.start = 0  # samples of this rank's shard already consumed
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+
+    def _indices(self) -> list[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        per_rank = self.num_samples // self.world_size  # equal shards: no rank waits on another at epoch end
+        return order[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices()[self.start:])
+
+    def __len__(self) -> int:
+        return self.num_samples // self.world_size - self.start
+
+
+class ResumableLoader:
+    """Wraps a Dataset (map-style or iterable) or a user DataLoader; tracks (epoch, batch) for exact resume.
+
+    Map-style datasets resume by starting the sampler mid-epoch (no batch is loaded twice). Iterable datasets and
+    user DataLoaders resume by skipping the batches already consumed in the epoch, which is exact only if their
+    order is deterministic.
+    """
+
+    def __init__(
+        self,
+        data: Dataset | DataLoader,
+        batch_size: int,
+        spec: DataSpec,
+        seed: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.batch_size = batch_size
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._skip = 0
+        self._iterator: Iterator[Any] | None = None
+        self.sampler: EpochSampler | None = None
+        if isinstance(data, DataLoader):
+            if data.batch_size is not None and data.batch_size != batch_size:
+                raise ValueError(f"the DataLoader yields batches of {data.batch_size} but batch_size is {batch_size}: "
+                                 "set batch_size to match, or pass the Dataset and let vlmfast build the loader")
+            self.loader = data
+            return
+        kwargs = _loader_kwargs(spec, pin_memory)
+        if isinstance(data, IterableDataset):
+            self.loader = DataLoader(data, batch_size=batch_size, collate_fn=collate_fn, drop_last=spec.drop_last,
+                                     **kwargs)
+            return
+        num_samples = len(data)  # type: ignore[arg-type]
+        if num_samples // world_size < batch_size:
+            raise ValueError(f"the dataset has {num_samples} samples, fewer than batch_size {batch_size} per rank "
+                             f"({world_size} rank(s)): lower batch_size or add data")
+        self.sampler = EpochSampler(num_samples, seed, spec.shuffle, rank, world_size)
+        generator = torch.Generator().manual_seed(seed)  # deterministic worker seeds
+        self.loader = DataLoader(data, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
+                                 drop_last=spec.drop_last, generator=generator, **kwargs)
+
+    def __iter__(self) -> ResumableLoader:
+        return self
+
+    def __next__(self) -> Any:
+        for _ in range(2):  # at most one epoch boundary per call
+            if self._iterator is None:
+                self._iterator = self._start_epoch()
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+                self.epoch += 1
+                self.batch_in_epoch = 0
+                continue
+            self.batch_in_epoch += 1
+            return batch
+        raise RuntimeError("the training data yielded no batch in a whole epoch: is it empty, or smaller than "
+                           "batch_size with drop_last?")
+
+    def _start_epoch(self) -> Iterator[Any]:
+        if self.sampler is not None:
+            self.sampler.set_position(self.epoch, self.batch_in_epoch * self.batch_size)
+            return iter(self.loader)
+        if hasattr(self.loader.sampler, "set_epoch"):
+            self.loader.sampler.set_epoch(self.epoch)
+        iterator = iter(self.loader)
+        if self.batch_in_epoch:
+            log.warning("resuming by skipping %d already-seen batches of epoch %d (exact only if the data order is "
+                        "deterministic)", self.batch_in_epoch, self.epoch)
+            for _ in range(self.batch_in_epoch):
+                next(iterator)
+        return iterator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
+        self._iterator = None
+
+
+def _loader_kwargs(spec: DataSpec, pin_memory: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"num_workers": spec.num_workers, "pin_memory": pin_memory}
+    if spec.num_workers > 0:
+        kwargs["persistent_workers"] = spec.persistent_workers
+        if spec.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = spec.prefetch_factor
+    return kwargs

@@ -1,0 +1,59 @@
+"""Every strategy as a standalone function or small object, for hand-written, Accelerate or Fabric loops.
+
+Usage::
+
+    from vlmfast.hooks import accumulate_gradients, MixedPrecision, build_optimizer
+
+    precision = MixedPrecision("bf16", device)
+    loss = accumulate_gradients(model, batch, micro_batch_size=4, device=device,
+                                forward_context=precision.forward_context, backward=precision.backward)
+    precision.optimizer_step(optimizer); optimizer.zero_grad(set_to_none=True)
+"""
+
+from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmfast.data.batch import move_to_device, split_batch
+from vlmfast.interrupt import InterruptGuard
+from vlmfast.memory.stats import memory_stats, peak_memory_gb
+from vlmfast.strategies.accumulation import (
+    accumulate_gradients,
+    count_loss_tokens,
+    extract_loss,
+    model_accepts_num_items,
+    model_shifts_labels,
+    sync_context,
+)
+from vlmfast.strategies.optimizer import (
+    build_optimizer,
+    build_param_groups,
+    build_scheduler,
+    clip_gradients,
+    freeze_modules,
+    lr_multiplier,
+)
+from vlmfast.strategies.precision import MixedPrecision, autocast_context, enable_tf32
+
+__all__ = [
+    "InterruptGuard",
+    "MixedPrecision",
+    "accumulate_gradients",
+    "autocast_context",
+    "build_optimizer",
+    "build_param_groups",
+    "build_scheduler",
+    "clip_gradients",
+    "count_loss_tokens",
+    "enable_tf32",
+    "extract_loss",
+    "freeze_modules",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "lr_multiplier",
+    "memory_stats",
+    "model_accepts_num_items",
+    "model_shifts_labels",
+    "move_to_device",
+    "peak_memory_gb",
+    "save_checkpoint",
+    "split_batch",
+    "sync_context",
+]

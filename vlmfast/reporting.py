@@ -1,0 +1,118 @@
+"""What a run tells its user: a progress bar, per-step metrics (JSONL, TensorBoard) and an end-of-run report.
+
+Only rank 0 writes. Usage::
+
+    with MetricsLogger(spec.log, total_steps=spec.max_steps) as metrics:
+        metrics.log_step({"step": 1, "loss": 2.3, ...})
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from vlmfast.spec import LogSpec
+
+
+class MetricsLogger:
+    """Writes per-step metrics to metrics.jsonl / TensorBoard and drives the progress bar."""
+
+    def __init__(self, spec: LogSpec, total_steps: int, initial_step: int = 0, enabled: bool = True) -> None:
+        self.spec = spec
+        self.enabled = enabled
+        self._jsonl = None
+        self._tensorboard = None
+        if enabled and spec.dir is not None:
+            Path(spec.dir).mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(Path(spec.dir) / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+            if spec.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tensorboard = SummaryWriter(log_dir=str(spec.dir))
+        show = {"on": True, "off": False, "auto": sys.stderr.isatty()}[spec.progress]
+        self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
+                         disable=not (enabled and show))
+
+    def log_step(self, metrics: dict[str, Any]) -> None:
+        """Record one optimizer step (written every `log.every_steps`; the bar moves every step)."""
+        if not self.enabled:
+            return
+        self._bar.update(1)
+        step = metrics["step"]
+        if step % self.spec.every_steps:
+            return
+        self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", samples_s=f"{metrics['samples_per_s']:.1f}",
+                              tokens_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(metrics) + "\n")
+            self._jsonl.flush()
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(key if "/" in key else f"train/{key}", value, step)
+
+    def write(self, message: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if self.enabled:
+            self._bar.write(message, file=sys.stderr)
+
+    def close(self) -> None:
+        self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class RunReport:
+    """The end-of-run summary: time, throughput, memory, loss and what each enabled strategy changed."""
+
+    steps: int
+    wall_time_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    step_time_p50_s: float
+    step_time_p90_s: float
+    data_wait_ratio: float
+    peak_memory_gb: float
+    device: str
+    first_loss: float | None
+    final_loss: float | None
+    skipped_steps: int = 0
+    strategies: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_text(self) -> str:
+        loss = (f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}" if self.final_loss is not None
+                else "loss: no step run")
+        lines = [
+            f"vlmfast run report ({self.device})",
+            f"  steps {self.steps} in {self.wall_time_s:.1f} s; {loss}",
+            f"  throughput {self.samples_per_s:.1f} samples/s, {self.tokens_per_s:.0f} tokens/s",
+            f"  step time p50 {self.step_time_p50_s * 1e3:.1f} ms, p90 {self.step_time_p90_s * 1e3:.1f} ms; "
+            f"data wait {self.data_wait_ratio:.1%} of step time",
+            f"  peak memory {self.peak_memory_gb:.2f} GiB" + (" (process RSS)" if self.device == "cpu" else ""),
+        ]
+        if self.skipped_steps:
+            lines.append(f"  skipped steps (non-finite loss/gradients): {self.skipped_steps}")
+        lines += [f"  {key}: {value}" for key, value in self.extra.items()]
+        lines.append("  strategies:")
+        lines += [f"    - {line}" for line in self.strategies]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)

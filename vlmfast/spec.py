@@ -1,0 +1,289 @@
+"""The training spec: one Pydantic model, one sub-model per strategy.
+
+Usage::
+
+    spec = TrainSpec.from_file("run.yaml")          # or TrainSpec(batch_size=16, precision="bf16")
+    spec.to_file("resolved.yaml")
+
+Every optimisation is one field (or one section) that is off by default. Unknown keys are errors that name the key
+and suggest the closest valid one; cross-field mistakes fail here, before any model or data is touched. Checks
+that depend on the machine (fp16 needs CUDA) live in :func:`check_environment`, so a spec written for a GPU box can
+still be validated on a laptop.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class SpecError(ValueError):
+    """A spec that cannot run; the message names the field and what to change."""
+
+
+class Section(BaseModel):
+    """Base of every spec section: unknown keys fail with a suggestion of the closest valid key."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        valid = set(cls.model_fields)
+        for key in data:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.5)
+                hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+                raise ValueError(f"unknown key '{key}' in {_section_label(cls)}{hint}")
+        return data
+
+
+def _section_label(cls: type[BaseModel]) -> str:
+    return "the spec" if cls is TrainSpec else f"section '{cls.__name__.removesuffix('Spec').lower()}'"
+
+
+class ParamGroupSpec(Section):
+    """Optimizer settings for the parameters of some sub-modules (matched by name prefix or glob)."""
+
+    modules: list[str] = Field(min_length=1, description="module name prefixes or globs, e.g. ['vision_tower']")
+    lr: float | None = Field(None, gt=0, description="learning rate for these parameters (default: optimizer.lr)")
+    weight_decay: float | None = Field(None, ge=0, description="weight decay for these parameters")
+
+
+class OptimizerSpec(Section):
+    """Optimizer, parameter groups and frozen sub-modules."""
+
+    name: Literal["adamw", "sgd", "adafactor"] = Field("adamw", description="optimizer")
+    lr: float = Field(1e-3, gt=0, description="base learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW) / L2 (SGD)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    momentum: float = Field(0.0, ge=0, description="SGD momentum")
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
+        "auto", description="AdamW/SGD kernel: auto takes fused where torch supports it on the device, else foreach"
+    )
+    no_decay_norm_and_bias: bool = Field(True, description="exclude norms, biases and embeddings from weight decay")
+    param_groups: list[ParamGroupSpec] = Field(
+        default_factory=list, description="per-module learning rates, e.g. a lower lr for the vision tower"
+    )
+    freeze: list[str] = Field(
+        default_factory=list, description="module name prefixes or globs to freeze, e.g. ['vision_tower']"
+    )
+
+
+class SchedulerSpec(Section):
+    """Learning-rate schedule with linear warm-up."""
+
+    name: Literal["constant", "linear", "cosine"] = Field("constant", description="shape after warm-up")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 over this many optimizer steps")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr as a fraction of the peak (linear, cosine)")
+
+
+class LossSpec(Section):
+    """How micro-batch losses are weighted so that any micro-batch split gives the full-batch gradient."""
+
+    weighting: Literal["auto", "tokens", "samples"] = Field(
+        "auto", description="tokens: by loss tokens (labels != ignore_index); samples: by samples; auto: tokens "
+        "when the batch has labels, else samples"
+    )
+    label_key: str = Field("labels", description="batch key holding the labels")
+    ignore_index: int = Field(-100, description="label value that carries no loss")
+    shift_labels: Literal["auto", "yes", "no"] = Field(
+        "auto", description="whether the model predicts labels[t+1] at t (causal LM); auto asks the model"
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a NaN/Inf loss or gradient norm: stop with a message naming the step, or skip the step"
+    )
+    max_consecutive_skips: int = Field(5, ge=1, description="with on_nonfinite=skip, stop after this many in a row")
+
+
+class DataSpec(Section):
+    """DataLoader settings for the per-rank optimizer batch."""
+
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    pin_memory: bool | None = Field(None, description="page-locked host batches; default: on when training on CUDA")
+    persistent_workers: bool = Field(False, description="keep workers alive across epochs")
+    prefetch_factor: int | None = Field(None, ge=1, description="batches prefetched per worker")
+    shuffle: bool = Field(True, description="reshuffle every epoch (seeded, so resume is exact)")
+    drop_last: bool = Field(True, description="drop a final partial batch so every step sees batch_size samples")
+
+
+class SaveSpec(Section):
+    """Checkpoints: atomic, the newest `keep_last` kept, exact resume."""
+
+    dir: Path | None = Field(None, description="checkpoint folder; no checkpoints when unset")
+    every_steps: int | None = Field(None, ge=1, description="save every N optimizer steps (and at the end)")
+    keep_last: int = Field(3, ge=1, description="complete checkpoints to keep")
+    resume: str = Field(
+        "auto", description="'auto': newest complete checkpoint in dir if any; 'never'; or a checkpoint path"
+    )
+    on_interrupt: bool = Field(True, description="SIGTERM / Ctrl-C writes a final checkpoint before exiting")
+
+
+class EvalSpec(Section):
+    """Evaluation on `eval_data`: token-weighted mean loss, no gradients."""
+
+    every_steps: int | None = Field(None, ge=1, description="evaluate every N steps (always once at the end)")
+    max_batches: int | None = Field(None, ge=1, description="cap on evaluation batches (default: all)")
+
+
+class LogSpec(Section):
+    """Metrics and progress output."""
+
+    dir: Path | None = Field(None, description="folder for metrics.jsonl, TensorBoard events and the report")
+    every_steps: int = Field(1, ge=1, description="write metrics every N optimizer steps")
+    tensorboard: bool = Field(False, description="also write TensorBoard events to dir (needs tensorboard)")
+    progress: Literal["auto", "on", "off"] = Field("auto", description="progress bar; auto: only on a terminal")
+
+
+class TrainSpec(Section):
+    """Everything a run needs besides the model and the data.
+
+    Usage: ``TrainSpec(max_steps=200, batch_size=16, micro_batch_size=4, precision="bf16")``
+    """
+
+    seed: int = Field(0, description="seeds torch, numpy and random, and the data order")
+    max_steps: int = Field(100, ge=1, description="optimizer steps; a resumed run stops at the same step")
+    batch_size: int = Field(8, ge=1, description="samples per optimizer step per rank")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="samples per forward/backward; the rest is gradient accumulation (default: batch_size)"
+    )
+    precision: Precision = Field("fp32", description="fp32, bf16 autocast, or fp16 autocast + GradScaler (CUDA)")
+    tf32: bool = Field(False, description="allow TF32 matmuls and convolutions on CUDA")
+    device: str = Field("auto", description="'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'")
+    grad_clip: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    loss: LossSpec = Field(default_factory=LossSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    save: SaveSpec = Field(default_factory=SaveSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    log: LogSpec = Field(default_factory=LogSpec)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> TrainSpec:
+        mbs = self.micro_batch_size
+        if mbs is not None and mbs > self.batch_size:
+            raise ValueError(
+                f"micro_batch_size ({mbs}) is larger than batch_size ({self.batch_size}): "
+                f"set micro_batch_size <= {self.batch_size}"
+            )
+        if mbs is not None and self.batch_size % mbs:
+            divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by micro_batch_size ({mbs}) so every "
+                f"micro-batch has the same size: use micro_batch_size in {divisors}"
+            )
+        if self.precision == "fp16" and self.device.startswith("cpu"):
+            raise ValueError("precision 'fp16' needs a CUDA device (GradScaler); on CPU use precision: bf16")
+        if self.scheduler.warmup_steps >= self.max_steps and self.scheduler.warmup_steps > 0:
+            raise ValueError(
+                f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be below max_steps ({self.max_steps})"
+            )
+        if self.save.every_steps is not None and self.save.dir is None:
+            raise ValueError("save.every_steps is set but save.dir is not: set save.dir to a folder")
+        if self.log.tensorboard and self.log.dir is None:
+            raise ValueError("log.tensorboard needs log.dir: set log.dir to a folder")
+        return self
+
+    @property
+    def resolved_micro_batch_size(self) -> int:
+        """The micro-batch size, with the default (the whole batch) filled in."""
+        return self.micro_batch_size or self.batch_size
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TrainSpec:
+        """Load a spec from .yaml/.yml/.json; errors name the file and the field."""
+        path = Path(path)
+        if not path.is_file():
+            raise SpecError(f"spec file not found: {path}")
+        text = path.read_text()
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                data = yaml.safe_load(text) or {}
+            elif path.suffix == ".json":
+                data = json.loads(text)
+            else:
+                raise SpecError(f"{path}: unsupported spec format '{path.suffix}'; use .yaml, .yml or .json")
+        except (yaml.YAMLError, json.JSONDecodeError) as exc:
+            raise SpecError(f"{path}: cannot parse: {exc}") from exc
+        if not isinstance(data, dict):
+            raise SpecError(f"{path}: the spec must be a mapping of field names to values")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise SpecError(f"{path}: invalid spec\n{format_validation_error(exc)}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, YAML/JSON-serialisable dict that :meth:`model_validate` reads back unchanged."""
+        return self.model_dump(mode="json")
+
+    def to_file(self, path: str | Path) -> None:
+        """Write the spec as YAML or JSON, chosen by the suffix."""
+        path = Path(path)
+        data = self.to_dict()
+        text = json.dumps(data, indent=2) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        path.write_text(text)
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: the dotted field path, then what to change."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "spec"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {msg}")
+    return "\n".join(lines)
+
+
+def check_environment(spec: TrainSpec) -> None:
+    """Fail before any work when the machine cannot run the spec (fp16 or a CUDA device without CUDA)."""
+    import torch
+
+    from vlmfast.utils import resolve_device
+
+    device = resolve_device(spec.device)
+    if spec.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecError(f"device '{spec.device}': CUDA is not available on this machine; use device: auto or cpu")
+    if spec.precision == "fp16" and device.type != "cuda":
+        raise SpecError("precision 'fp16' needs a CUDA device (autocast + GradScaler); on CPU use precision: bf16")
+    if spec.log.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError as exc:
+            raise SpecError("log.tensorboard is on but tensorboard is not installed: pip install tensorboard") from exc
+
+
+def defaults_yaml() -> str:
+    """A commented YAML template of every field with its default (``vlmfast spec --defaults``)."""
+    return "\n".join(_commented_fields(TrainSpec, TrainSpec().to_dict(), indent=0)) + "\n"
+
+
+def _commented_fields(model: type[BaseModel], values: dict[str, Any], indent: int) -> list[str]:
+    pad = " " * indent
+    lines: list[str] = []
+    for name, field in model.model_fields.items():
+        value = values[name]
+        sub = _section_type(field.annotation)
+        if field.description:
+            lines.append(f"{pad}# {field.description}")
+        if sub is not None:
+            lines.append(f"{pad}{name}:")
+            lines.extend(_commented_fields(sub, value, indent + 2))
+        else:
+            dumped = yaml.safe_dump({name: value}, default_flow_style=True, width=1000).strip()
+            lines.append(f"{pad}{dumped.strip('{}')}")
+    return lines
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None

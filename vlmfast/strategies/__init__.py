@@ -1,0 +1,8 @@
+"""One file per strategy: a plain function usable alone plus a thin class the trainer composes."""
+
+from vlmfast.strategies.accumulation import GradientAccumulation
+from vlmfast.strategies.base import Strategy
+from vlmfast.strategies.optimizer import Optimization
+from vlmfast.strategies.precision import MixedPrecision
+
+__all__ = ["GradientAccumulation", "MixedPrecision", "Optimization", "Strategy"]

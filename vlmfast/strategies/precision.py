@@ -1,0 +1,83 @@
+"""Mixed precision: fp32, bf16 autocast, or fp16 autocast with a GradScaler (CUDA only); optional TF32.
+
+Usage in a hand-written loop::
+
+    precision = MixedPrecision("bf16", device)
+    with precision.forward_context():
+        loss = model(**batch).loss
+    precision.backward(loss)
+    precision.optimizer_step(optimizer)
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from vlmfast.strategies.base import Strategy
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_context(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """The autocast context for `precision` on `device` (a no-op for fp32)."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+def enable_tf32(enabled: bool = True) -> None:
+    """Let CUDA matmuls and convolutions use TF32 tensor cores (fp32 range, ~10-bit mantissa)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+class MixedPrecision(Strategy):
+    """Fabric-style precision plugin: forward context, backward, unscale, optimizer step, scaler state."""
+
+    name = "precision"
+
+    def __init__(self, precision: str, device: torch.device, tf32: bool = False) -> None:
+        if precision == "fp16" and device.type != "cuda":
+            raise ValueError("precision 'fp16' needs a CUDA device; on CPU use 'bf16'")
+        self.precision = precision
+        self.device = device
+        self.tf32 = tf32 and device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+        if self.tf32:
+            enable_tf32(True)
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        return autocast_context(self.precision, self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients to their true scale (before clipping or inspecting them)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; returns False when the GradScaler skipped it for inf/NaN gradients."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= scale_before
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def describe(self) -> str:
+        what = {"fp32": "fp32 (no autocast)", "bf16": "bf16 autocast", "fp16": "fp16 autocast + GradScaler"}
+        tf32 = ", TF32 matmuls" if self.tf32 else ""
+        return f"precision: {what[self.precision]} on {self.device.type}{tf32}"

@@ -1,0 +1,429 @@
+"""OptimizedTrainer: the loop. Split the optimizer batch into micro-batches, forward/backward, one optimizer step.
+
+Usage::
+
+    result = OptimizedTrainer(model, dataset, TrainSpec(batch_size=16, micro_batch_size=4), collate_fn=collate).fit()
+    result.history[-1]["loss"], trainer.state.step
+
+The trainer owns the order of events; each strategy (precision, accumulation, optimizer, ...) owns what happens at
+its points. The loader yields the whole per-rank optimizer batch, so the effective batch never depends on the
+micro-batch size (Composer's design).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from vlmfast.callbacks import Callback
+from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
+from vlmfast.data.loader import ResumableLoader
+from vlmfast.interrupt import InterruptGuard
+from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
+from vlmfast.reporting import MetricsLogger, RunReport
+from vlmfast.spec import SpecError, TrainSpec, check_environment
+from vlmfast.strategies.accumulation import (
+    AccumulationPlan,
+    GradientAccumulation,
+    LossFn,
+    scale_gradients,
+    sync_context,
+)
+from vlmfast.strategies.base import Strategy
+from vlmfast.strategies.optimizer import Optimization
+from vlmfast.strategies.precision import MixedPrecision
+from vlmfast.utils import resolve_device, rng_state, seed_everything, set_rng_state
+
+log = logging.getLogger(__name__)
+
+# Spec fields a checkpoint must agree with: changing them mid-run would silently mix two different trainings.
+RESUME_INVARIANTS = ("batch_size", "seed", "optimizer.name")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became NaN/Inf and the spec says stop."""
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint restores; `step` counts optimizer steps."""
+
+    step: int = 0
+    micro_batch_size: int = 0
+    accumulation_steps: int = 1
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+
+
+@dataclass
+class FitResult:
+    """What `fit` returns: per-step metrics of this run, the report, and how it ended."""
+
+    history: list[dict[str, Any]]
+    report: RunReport
+    interrupted: str | None = None  # the signal name when SIGTERM/SIGINT ended the run
+    checkpoint: Path | None = None
+    eval_loss: float | None = None
+    resumed_from: Path | None = None
+    eval_history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class OptimizedTrainer:
+    """Train `model` on `train_data` as `spec` says. See the module docstring for usage."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: Dataset | DataLoader,
+        spec: TrainSpec | dict[str, Any] | str | Path,
+        loss_fn: LossFn | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        eval_data: Dataset | DataLoader | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        self.spec = _as_spec(spec)
+        check_environment(self.spec)  # fail before any work
+        self.device = resolve_device(self.spec.device)
+        self.rank, self.world_size = _distributed_rank_and_size()
+        seed_everything(self.spec.seed)
+        self.callbacks = list(callbacks)
+        self.collate_fn = collate_fn
+        self.eval_data = eval_data
+        self.should_stop = False
+        mbs = self.spec.resolved_micro_batch_size
+        self.state = TrainState(micro_batch_size=mbs, accumulation_steps=self.spec.batch_size // mbs)
+
+        self.precision = MixedPrecision(self.spec.precision, self.device, tf32=self.spec.tf32)
+        loss = self.spec.loss
+        self.accumulation = GradientAccumulation(
+            mbs, weighting=loss.weighting, label_key=loss.label_key, ignore_index=loss.ignore_index,
+            shift_labels=loss.shift_labels, loss_fn=loss_fn, world_size=self.world_size,
+        )
+        self.optimization = Optimization(self.spec, self.device)
+        self.strategies: list[Strategy] = [self.precision, self.accumulation, self.optimization]
+        model = model.to(self.device)
+        for strategy in self.strategies:
+            model = strategy.apply(model)
+        self.model = model
+        self._context_strategies = [s for s in self.strategies
+                                    if type(s).forward_context is not Strategy.forward_context]
+
+        pin = self.spec.data.pin_memory if self.spec.data.pin_memory is not None else self.device.type == "cuda"
+        self.loader = ResumableLoader(train_data, self.spec.batch_size, self.spec.data, self.spec.seed,
+                                      collate_fn, pin_memory=pin, rank=self.rank, world_size=self.world_size)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optimization.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.optimization.scheduler
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def fit(self) -> FitResult:
+        """Train until `max_steps` (resuming first when `save.resume` finds a checkpoint)."""
+        resumed_from = self._maybe_resume()
+        self.model.train()
+        reset_peak_memory(self.device)
+        history: list[dict[str, Any]] = []
+        result = FitResult(history=history, report=None, resumed_from=resumed_from)  # type: ignore[arg-type]
+        metrics_logger = MetricsLogger(self.spec.log, self.spec.max_steps, self.state.step, self.is_main_process)
+        self._fire("on_fit_start")
+        start = time.perf_counter()
+        with metrics_logger, InterruptGuard(self.spec.save.on_interrupt) as guard:
+            if resumed_from is not None:
+                metrics_logger.write(f"resumed from {resumed_from} at step {self.state.step}")
+            tick = time.perf_counter()
+            while self.state.step < self.spec.max_steps and not self.should_stop and not guard.requested:
+                batch = next(self.loader)
+                data_time = time.perf_counter() - tick
+                metrics = self.train_step(batch)
+                now = time.perf_counter()
+                metrics.update(self._throughput(metrics, step_time=now - tick, data_time=data_time))
+                tick = now
+                history.append(metrics)
+                metrics_logger.log_step(metrics)
+                self._fire("on_step_end", metrics)
+                self._periodic_eval_and_save(result)
+            result.interrupted = guard.requested
+            if guard.requested:
+                metrics_logger.write(f"{guard.requested} received: saving a final checkpoint and stopping")
+            result.checkpoint = self._save_if_configured(final=True) or result.checkpoint
+            if self.eval_data is not None and not guard.requested:
+                result.eval_loss = self._record_eval(result)
+            result.report = self._build_report(history, time.perf_counter() - start)
+            if self.is_main_process:
+                metrics_logger.write(result.report.to_text())
+                self._write_report(result.report)
+        self._fire("on_fit_end", result)
+        return result
+
+    def train_step(self, batch: Any) -> dict[str, Any]:
+        """One optimizer step on one per-rank batch: accumulate gradients, then update. Returns the step metrics."""
+        plan = self.accumulation.plan(batch)
+        loss = self._accumulate_gradients(plan)
+        loss, grad_norm, stepped = self._apply_update(plan, loss)
+        self.scheduler.step()
+        self.state.step += 1
+        self.state.micro_batch_size = self.accumulation.micro_batch_size
+        self.state.accumulation_steps = len(plan.micro_batches)
+        samples = batch_size_of(batch)
+        tokens = count_input_tokens(batch)
+        self.state.samples_seen += samples * self.world_size
+        self.state.tokens_seen += tokens * self.world_size
+        metrics = {"step": self.state.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                   "micro_batch_size": self.state.micro_batch_size, "accumulation_steps": self.state.accumulation_steps,
+                   "samples": samples, "tokens": tokens, "skipped": not stepped}
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        return metrics
+
+    def _accumulate_gradients(self, plan: AccumulationPlan) -> torch.Tensor:
+        """Forward/backward every micro-batch; gradients sum to the full-batch gradient. Returns the loss tensor."""
+        total = torch.zeros((), device=self.device)
+        scale = self.accumulation.backward_scale()
+        last = len(plan.micro_batches) - 1
+        for index, micro_batch in enumerate(plan.micro_batches):
+            micro_batch = move_to_device(micro_batch, self.device)
+            with sync_context(self.model, index == last), self._forward_context():
+                share = self.accumulation.micro_batch_loss(self.model, micro_batch, plan, index)
+            self.precision.backward(share * scale if scale != 1.0 else share)
+            total += share.detach().float()
+        return total
+
+    def _apply_update(self, plan: AccumulationPlan, loss: torch.Tensor) -> tuple[float, float | None, bool]:
+        """Unscale, correct, clip, check for NaN/Inf, step. The only place the optimizer steps."""
+        self.precision.unscale_gradients(self.optimizer)
+        factor = self.accumulation.correction(plan)
+        if factor != 1.0:
+            scale_gradients(self.optimization.trainable, factor)
+            loss = loss * factor
+        norm = self.optimization.clip()
+        values = (torch.stack([loss, norm.float()]) if norm is not None else loss.reshape(1)).tolist()  # one sync
+        loss_value, norm_value = values[0], (values[1] if norm is not None else None)
+        scaler_owns_grads = self.precision.scaler is not None  # fp16: inf grads are the GradScaler's business
+        finite = _finite(loss_value) and (scaler_owns_grads or norm_value is None or _finite(norm_value))
+        if not finite:
+            self._handle_nonfinite(loss_value, norm_value)
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss_value, norm_value, False
+        self.state.consecutive_skips = 0
+        stepped = self.precision.optimizer_step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_value, norm_value, stepped
+
+    def _handle_nonfinite(self, loss: float, grad_norm: float | None) -> None:
+        step = self.state.step + 1
+        groups = self.optimization.nonfinite_groups()
+        where = f"; non-finite gradients in {', '.join(groups)}" if groups else ""
+        message = f"step {step}: loss is {loss}" + (f", gradient norm {grad_norm}" if grad_norm is not None else "")
+        policy = self.spec.loss
+        self.state.skipped_steps += 1
+        self.state.consecutive_skips += 1
+        if policy.on_nonfinite == "stop" or self.state.consecutive_skips > policy.max_consecutive_skips:
+            raise NonFiniteLossError(
+                f"{message}{where}. Stopped (loss.on_nonfinite={policy.on_nonfinite}, "
+                f"{self.state.consecutive_skips} non-finite step(s) in a row). Try a lower optimizer.lr, grad_clip, "
+                "precision bf16 instead of fp16, or loss.on_nonfinite: skip; the last checkpoint is intact."
+            )
+        log.warning("%s%s: step skipped (loss.on_nonfinite=skip)", message, where)
+
+    def _forward_context(self) -> AbstractContextManager[Any]:
+        if len(self._context_strategies) == 1:
+            return self._context_strategies[0].forward_context()
+        stack = ExitStack()
+        for strategy in self._context_strategies:
+            stack.enter_context(strategy.forward_context())
+        return stack
+
+    # ---- evaluation -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, data: Dataset | DataLoader | None = None) -> float:
+        """Loss-token-weighted mean loss over `data` (default: eval_data), in eval mode."""
+        data = data if data is not None else self.eval_data
+        if data is None:
+            raise ValueError("evaluate() needs eval_data (pass it to OptimizedTrainer or to evaluate)")
+        loader = data if isinstance(data, DataLoader) else DataLoader(
+            data, batch_size=self.spec.batch_size, shuffle=False, collate_fn=self.collate_fn)
+        was_training = self.model.training
+        self.model.eval()
+        loss_sum, items = torch.zeros((), device=self.device), 0.0
+        for index, batch in enumerate(loader):
+            if self.spec.eval.max_batches is not None and index >= self.spec.eval.max_batches:
+                break
+            plan = self.accumulation.plan(batch)
+            for i, micro_batch in enumerate(plan.micro_batches):
+                with self._forward_context():
+                    share = self.accumulation.micro_batch_loss(
+                        self.model, move_to_device(micro_batch, self.device), plan, i)
+                loss_sum += share.float() * plan.divisor
+            items += plan.divisor / self.accumulation.correction(plan)
+        self.model.train(was_training)
+        return float(loss_sum) / max(items, 1.0)
+
+    def _record_eval(self, result: FitResult) -> float:
+        eval_loss = self.evaluate()
+        metrics = {"step": self.state.step, "eval_loss": eval_loss}
+        result.eval_history.append(metrics)
+        self._fire("on_eval", metrics)
+        return eval_loss
+
+    def _periodic_eval_and_save(self, result: FitResult) -> None:
+        every_eval = self.spec.eval.every_steps
+        if self.eval_data is not None and every_eval and self.state.step % every_eval == 0:
+            result.eval_loss = self._record_eval(result)
+        every_save = self.spec.save.every_steps
+        if every_save and self.state.step % every_save == 0 and self.state.step < self.spec.max_steps:
+            result.checkpoint = self._save_if_configured()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: model, strategies, data position, counters, RNG, spec."""
+        return {
+            "model": _unwrap(self.model).state_dict(),
+            "strategies": {s.name: s.state_dict() for s in self.strategies},
+            "loader": self.loader.state_dict(),
+            "trainer": asdict(self.state),
+            "rng": rng_state(),
+            "spec": self.spec.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (refuses a checkpoint of a different run; see RESUME_INVARIANTS)."""
+        _check_resume_compatible(state["spec"], self.spec.to_dict())
+        _unwrap(self.model).load_state_dict(state["model"])
+        for strategy in self.strategies:
+            strategy.load_state_dict(state["strategies"].get(strategy.name, {}))
+        self.loader.load_state_dict(state["loader"])
+        saved = dict(state["trainer"])
+        saved["micro_batch_size"] = self.state.micro_batch_size  # the split may change: the gradient does not
+        saved["accumulation_steps"] = self.state.accumulation_steps
+        self.state = TrainState(**saved)
+        set_rng_state(state["rng"])
+
+    def save(self, directory: str | Path | None = None) -> Path:
+        """Write a checkpoint now (atomic; rank 0 only) and return its path."""
+        directory = Path(directory or self.spec.save.dir or "checkpoints")
+        path = directory / f"step_{self.state.step:08d}"
+        if self.is_main_process:
+            path = save_checkpoint(directory, self.state.step, self.state_dict(), self.spec.save.keep_last,
+                                   meta={"samples_seen": self.state.samples_seen})
+            self._fire("on_save", path)
+        return path
+
+    def _save_if_configured(self, final: bool = False) -> Path | None:
+        if self.spec.save.dir is None or self.state.step == 0:
+            return None
+        if final and (latest := latest_checkpoint(self.spec.save.dir)) and latest.name == f"step_{self.state.step:08d}":
+            return latest
+        return self.save()
+
+    def _maybe_resume(self) -> Path | None:
+        resume = self.spec.save.resume
+        if resume == "never":
+            return None
+        if resume == "auto":
+            path = latest_checkpoint(self.spec.save.dir) if self.spec.save.dir else None
+        else:
+            path = Path(resume)
+            if not path.exists():
+                raise SpecError(f"save.resume: checkpoint {path} does not exist; use 'auto', 'never' or a path")
+        if path is None:
+            return None
+        self.load_state_dict(load_checkpoint(path, map_location=self.device))
+        return path
+
+    # ---- reporting ------------------------------------------------------------------------------------------
+    def _throughput(self, metrics: dict[str, Any], step_time: float, data_time: float) -> dict[str, Any]:
+        out = {"step_time": step_time, "data_time": data_time,
+               "samples_per_s": metrics["samples"] * self.world_size / step_time,
+               "tokens_per_s": metrics["tokens"] * self.world_size / step_time}
+        if self.state.step % self.spec.log.every_steps == 0:
+            out.update(memory_stats(self.device))
+        return out
+
+    def _build_report(self, history: list[dict[str, Any]], wall_time: float) -> RunReport:
+        times = sorted(m["step_time"] for m in history) or [0.0]
+        total_time = sum(times) or 1.0
+        return RunReport(
+            steps=len(history), wall_time_s=wall_time,
+            samples_per_s=sum(m["samples"] for m in history) * self.world_size / total_time,
+            tokens_per_s=sum(m["tokens"] for m in history) * self.world_size / total_time,
+            step_time_p50_s=_percentile(times, 0.5), step_time_p90_s=_percentile(times, 0.9),
+            data_wait_ratio=sum(m["data_time"] for m in history) / total_time,
+            peak_memory_gb=peak_memory_gb(self.device), device=self.device.type,
+            first_loss=history[0]["loss"] if history else None, final_loss=history[-1]["loss"] if history else None,
+            skipped_steps=self.state.skipped_steps, strategies=[s.describe() for s in self.strategies],
+        )
+
+    def _write_report(self, report: RunReport) -> None:
+        if self.spec.log.dir is not None:
+            import json
+
+            (Path(self.spec.log.dir) / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
+
+    def _fire(self, event: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            hook = getattr(callback, event, None)
+            if hook is not None:
+                hook(self, *args)
+
+
+def _as_spec(spec: TrainSpec | dict[str, Any] | str | Path) -> TrainSpec:
+    if isinstance(spec, TrainSpec):
+        return spec
+    if isinstance(spec, (str, Path)):
+        return TrainSpec.from_file(spec)
+    return TrainSpec.model_validate(spec)
+
+
+def _distributed_rank_and_size() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+def _check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    for dotted in RESUME_INVARIANTS:
+        old, new = _get_dotted(saved, dotted), _get_dotted(current, dotted)
+        if old != new:
+            raise SpecError(
+                f"cannot resume: the checkpoint was written with {dotted}={old!r} but the spec now says {new!r}. "
+                f"Restore {dotted}, or start a fresh run (save.resume: never, or another save.dir)."
+            )
+
+
+def _get_dotted(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _finite(value: float) -> bool:
+    return value == value and value not in (float("inf"), float("-inf"))
+
+
+def _percentile(sorted_values: Iterable[float], q: float) -> float:
+    values = list(sorted_values)
+    return values[min(len(values) - 1, int(q * len(values)))]
