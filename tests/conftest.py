@@ -64,6 +64,44 @@ def tiny_llama(seed: int = 0):
     return transformers.LlamaForCausalLM(config)
 
 
+IMAGE_TOKEN = 63
+
+
+def tiny_llava(seed: int = 0):
+    """A Hugging Face LLaVA (CLIP vision tower + projector + Llama) from a tiny config: 4 image tokens."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    vision = transformers.CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=4)
+    text = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
+    return transformers.LlavaForConditionalGeneration(config)
+
+
+class LlavaDataset(torch.utils.data.Dataset):
+    """4 image tokens then a caption whose first token is the image's mean colour bucket (so images matter)."""
+
+    def __init__(self, n: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.pixels = torch.rand(n, 3, 16, 16, generator=g)
+        text = token_batch(n, max_len=12, vocab=60, seed=seed)
+        colour = (self.pixels.mean(dim=(1, 2, 3)) * 20).long().clamp(0, 9) + 3
+        text["input_ids"][:, 0] = colour
+        text["labels"][:, 0] = colour
+        image = torch.full((n, 4), IMAGE_TOKEN)
+        self.ids = torch.cat([image, text["input_ids"]], dim=1)
+        self.mask = torch.cat([torch.ones(n, 4, dtype=torch.long), text["attention_mask"]], dim=1)
+        self.labels = torch.cat([torch.full((n, 4), -100), text["labels"]], dim=1)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i],
+                "pixel_values": self.pixels[i]}
+
+
 @pytest.fixture
 def tiny_lm():
     torch.manual_seed(0)

@@ -10,12 +10,14 @@ from vlmfast.spec import SpecError, TrainSpec, check_environment, defaults_yaml
 
 
 def test_misspelt_top_level_key_suggests_the_closest():
-    with pytest.raises(ValidationError, match=r"unknown key 'micro_batchsize' in the spec; did you mean 'micro_batch_size'"):
+    expected = r"unknown key 'micro_batchsize' in the spec; did you mean 'micro_batch_size'"
+    with pytest.raises(ValidationError, match=expected):
         TrainSpec(micro_batchsize=4)
 
 
 def test_misspelt_nested_key_names_the_section_and_suggests():
-    with pytest.raises(ValidationError, match=r"unknown key 'warmup' in section 'scheduler'; did you mean 'warmup_steps'"):
+    expected = r"unknown key 'warmup' in section 'scheduler'; did you mean 'warmup_steps'"
+    with pytest.raises(ValidationError, match=expected):
         TrainSpec(scheduler={"warmup": 10})
 
 

@@ -63,7 +63,7 @@ def test_resume_reproduces_the_uninterrupted_trajectory_exactly(tmp_path):
     first = make_spec(max_steps=6, save={"dir": str(tmp_path), "every_steps": 3})
     _, head = train(first)
     assert [m["loss"] for m in head.history] == [m["loss"] for m in full.history[:6]]
-    trainer, tail = train(make_spec(save={"dir": str(tmp_path)}))  # resume: auto
+    _, tail = train(make_spec(save={"dir": str(tmp_path)}))  # resume: auto
     assert tail.resumed_from is not None and tail.resumed_from.name == "step_00000006"
     assert [m["step"] for m in tail.history] == list(range(7, 13))
     assert [m["loss"] for m in tail.history] == [m["loss"] for m in full.history[6:]]
@@ -210,3 +210,18 @@ def test_user_dataloader_with_a_mismatched_batch_size_is_refused():
     loader = torch.utils.data.DataLoader(TokenDataset(64), batch_size=4)
     with pytest.raises(ValueError, match="yields batches of 4 but batch_size is 8"):
         train(make_spec(), data=loader)
+
+
+def test_hugging_face_llava_with_frozen_vision_tower_and_projector_lr():
+    from conftest import LlavaDataset, tiny_llava
+
+    model = tiny_llava()
+    before = params_of(model)
+    spec = make_spec(max_steps=30, optimizer={"lr": 3e-3, "freeze": ["vision_tower"],
+                                              "param_groups": [{"modules": ["multi_modal_projector"], "lr": 1e-2}]})
+    trainer, result = train(spec, model, LlavaDataset(64))
+    after = params_of(trainer.model)
+    vision = [n for n in before if ".vision_tower." in n]
+    assert vision and all(torch.equal(before[n], after[n]) for n in vision)
+    assert any(g["lr"] == 1e-2 and "model" in g["label"] for g in trainer.optimizer.param_groups)
+    assert result.history[-1]["loss"] < result.history[0]["loss"] - 0.5

@@ -86,8 +86,9 @@ def _cmd_spec(args: argparse.Namespace) -> int:
 
 def build_spec(config: str | None, overrides: list[str]) -> Any:
     """The spec from a file (or the demo spec) with --set overrides applied; validated before any work."""
-    from vlmfast.spec import SpecError, TrainSpec, format_validation_error
     from pydantic import ValidationError
+
+    from vlmfast.spec import SpecError, TrainSpec, format_validation_error
 
     data = TrainSpec.from_file(config).to_dict() if config else json.loads(json.dumps(DEMO_SPEC))
     for item in overrides:

@@ -54,7 +54,7 @@ def _section_label(cls: type[BaseModel]) -> str:
 class ParamGroupSpec(Section):
     """Optimizer settings for the parameters of some sub-modules (matched by name prefix or glob)."""
 
-    modules: list[str] = Field(min_length=1, description="module name prefixes or globs, e.g. ['vision_tower']")
+    modules: list[str] = Field(min_length=1, description="module paths (at any depth) or globs, e.g. ['vision_tower']")
     lr: float | None = Field(None, gt=0, description="learning rate for these parameters (default: optimizer.lr)")
     weight_decay: float | None = Field(None, ge=0, description="weight decay for these parameters")
 
@@ -76,7 +76,7 @@ class OptimizerSpec(Section):
         default_factory=list, description="per-module learning rates, e.g. a lower lr for the vision tower"
     )
     freeze: list[str] = Field(
-        default_factory=list, description="module name prefixes or globs to freeze, e.g. ['vision_tower']"
+        default_factory=list, description="module paths (at any depth) or globs to freeze, e.g. ['vision_tower']"
     )
 
 

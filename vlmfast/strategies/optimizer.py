@@ -22,8 +22,12 @@ from vlmfast.strategies.base import Strategy
 
 
 def matches(name: str, pattern: str) -> bool:
-    """A module or parameter name matches a pattern by glob or by dotted prefix ('vision_tower' -> 'vision_tower.*')."""
-    return fnmatch.fnmatchcase(name, pattern) or name == pattern or name.startswith(pattern + ".")
+    """Whether a parameter lies under a module path at any depth, or matches a glob.
+
+    'vision_tower' matches 'vision_tower.blocks.0.w' and Hugging Face's 'model.vision_tower.encoder...';
+    'model.vision_tower' and '*.proj.weight' work too.
+    """
+    return f".{pattern}." in f".{name}." or fnmatch.fnmatchcase(name, pattern)
 
 
 def freeze_modules(model: nn.Module, patterns: list[str]) -> int:

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install vlmfast into it.
+#   bash scripts/setup.sh          # the library and its CLI
+#   bash scripts/setup.sh --dev    # plus the test, lint and Hugging Face dependencies
+# torch is installed first, on its own: a bare `torch` requirement on a machine without torch makes pip pull the
+# newest CUDA build (several GB). VLMFAST_TORCH overrides what is installed (pip arguments, e.g. "torch==2.5.1").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "setup: installing torch (${VLMFAST_TORCH:-torch==2.13.0})" >&2
+  # shellcheck disable=SC2086
+  "${pip[@]}" install ${VLMFAST_TORCH:-torch==2.13.0}
+fi
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+echo "setup: installing vlmfast${extras}" >&2
+"${pip[@]}" install -e ".${extras}"

@@ -1,0 +1,33 @@
+"""The `vlmfast` command: spec printing/checking, overrides, and clear one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from vlmfast.cli import build_spec, main
+from vlmfast.spec import TrainSpec
+
+
+def test_spec_schema_and_defaults(capsys):
+    assert main(["spec", "--schema"]) == 0
+    assert "micro_batch_size" in json.loads(capsys.readouterr().out)["properties"]
+    assert main(["spec", "--defaults"]) == 0
+    assert TrainSpec.model_validate(yaml.safe_load(capsys.readouterr().out)) == TrainSpec()
+
+
+def test_spec_check_reports_a_misspelt_key_in_one_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("max_step: 10\n")
+    assert main(["spec", "--check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'max_step' in the spec; did you mean 'max_steps'?" in err
+    assert "Traceback" not in err
+
+
+def test_set_overrides_are_validated_before_any_work(capsys):
+    spec = build_spec(None, ["precision=bf16", "optimizer.lr=3e-4", "micro_batch_size=4"])
+    assert (spec.precision, spec.optimizer.lr, spec.micro_batch_size) == ("bf16", 3e-4, 4)
+    assert main(["train", "--set", "micro_batch_size=5"]) == 2  # 16 is not divisible by 5
+    assert "divisible by micro_batch_size (5)" in capsys.readouterr().err
