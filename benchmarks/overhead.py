@@ -29,8 +29,8 @@ def hand_written(model, dataset, collate, args, device) -> list[float]:
     """The loop a user writes: fp32, one forward/backward per batch, fused AdamW, loss.item() for logging."""
     model = copy.deepcopy(model).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type in ("cuda", "cpu"))
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, collate_fn=collate, drop_last=True,
-                        generator=torch.Generator().manual_seed(0))
+    # Same (unshuffled) order as the trainer below: both runs see identical batches and padded lengths.
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, collate_fn=collate, drop_last=True)
     stamps = [time.perf_counter()]
     for step, batch in enumerate(loader):
         if step == args.steps:
@@ -59,7 +59,7 @@ class StepClock(Callback):
 def with_vlmfast(model, dataset, collate, args, device) -> list[float]:
     """OptimizedTrainer with every strategy off: fp32, micro-batch = batch, no clipping, constant lr."""
     spec = TrainSpec(max_steps=args.steps, batch_size=args.batch_size, device=str(device),
-                     optimizer={"lr": args.lr}, log={"progress": "off"})
+                     optimizer={"lr": args.lr}, data={"shuffle": False}, log={"progress": "off"})
     clock = StepClock()
     OptimizedTrainer(copy.deepcopy(model), dataset, spec, collate_fn=collate, callbacks=[clock]).fit()
     return [b - a for a, b in itertools.pairwise(clock.stamps)]

@@ -23,9 +23,9 @@ import yaml
 
 # The built-in demo: enough steps on CPU for the loss to drop well below what a text-only model can reach.
 DEMO_SPEC: dict[str, Any] = {
-    "max_steps": 300,
+    "max_steps": 600,
     "batch_size": 16,
-    "optimizer": {"lr": 2e-3, "weight_decay": 0.01},
+    "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
     "scheduler": {"name": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1},
     "grad_clip": 1.0,
     "log": {"progress": "auto"},

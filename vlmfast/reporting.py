@@ -46,8 +46,9 @@ class MetricsLogger:
         step = metrics["step"]
         if step % self.spec.every_steps:
             return
-        self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", samples_s=f"{metrics['samples_per_s']:.1f}",
-                              tokens_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
+        if not self._bar.disable:
+            self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", samples_s=f"{metrics['samples_per_s']:.1f}",
+                                  tokens_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(metrics) + "\n")
             self._jsonl.flush()

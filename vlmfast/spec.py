@@ -141,6 +141,9 @@ class LogSpec(Section):
 
     dir: Path | None = Field(None, description="folder for metrics.jsonl, TensorBoard events and the report")
     every_steps: int = Field(1, ge=1, description="write metrics every N optimizer steps")
+    memory_every_steps: int = Field(
+        10, ge=1, description="read device memory every N steps (a process-RSS read costs ~0.1 ms on CPU)"
+    )
     tensorboard: bool = Field(False, description="also write TensorBoard events to dir (needs tensorboard)")
     progress: Literal["auto", "on", "off"] = Field("auto", description="progress bar; auto: only on a terminal")
 

@@ -355,7 +355,7 @@ class OptimizedTrainer:
         out = {"step_time": step_time, "data_time": data_time,
                "samples_per_s": metrics["samples"] * self.world_size / step_time,
                "tokens_per_s": metrics["tokens"] * self.world_size / step_time}
-        if self.state.step % self.spec.log.every_steps == 0:
+        if self.state.step % self.spec.log.memory_every_steps == 0 or self.state.step == 1:
             out.update(memory_stats(self.device))
         return out
 

@@ -1,0 +1,316 @@
+"""A tiny LLaVA-shaped vision-language model in pure PyTorch.
+
+Layout (the submodule names are relied upon by other vlmfast code to find components and blocks)::
+
+    TinyVLM
+      vision_tower            ViT: patch_embed (conv) + pos_embed + blocks[VisionBlock] + norm
+      multi_modal_projector   linear_1 -> GELU -> linear_2 (vision_dim -> text_dim)
+      language_model          embed_tokens + embed_positions + layers[DecoderLayer] + norm + lm_head
+
+Image tokens are prepended to the caption tokens and the language model runs causally over both.
+
+Usage::
+
+    model = TinyVLM(TinyVLMConfig())
+    out = model(pixel_values, input_ids, labels=labels)
+    out.loss.backward()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vlmfast.models.shapes import ShapesTokenizer
+
+__all__ = [
+    "Attention",
+    "DecoderLayer",
+    "LanguageModel",
+    "MultiModalProjector",
+    "TinyVLM",
+    "TinyVLMConfig",
+    "VLMOutput",
+    "VisionBlock",
+    "VisionTower",
+    "causal_lm_loss",
+]
+
+IGNORE_INDEX = -100
+
+
+def _default_vocab_size() -> int:
+    return ShapesTokenizer().vocab_size
+
+
+@dataclass
+class TinyVLMConfig:
+    """Sizes of a ``TinyVLM`` (usage: ``TinyVLMConfig(text_layers=4)``)."""
+
+    # One 16x16 patch per cell of the shapes' 3x3 grid: 9 image tokens, cheap and easy to learn from.
+    image_size: int = 48
+    patch_size: int = 16
+    vision_dim: int = 64
+    vision_layers: int = 2
+    vision_heads: int = 4
+    text_dim: int = 128
+    text_layers: int = 2
+    text_heads: int = 4
+    mlp_ratio: int = 4
+    vocab_size: int = field(default_factory=_default_vocab_size)
+    max_text_len: int = 64  # a shapes caption with max_objects=8 has 57 tokens
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} not a multiple of patch_size {self.patch_size}")
+        if self.vision_dim % self.vision_heads or self.text_dim % self.text_heads:
+            raise ValueError("vision_dim / text_dim must be divisible by vision_heads / text_heads")
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Number of patch tokens the vision tower emits per image."""
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def max_positions(self) -> int:
+        """Longest sequence (image tokens + text tokens) the language model accepts."""
+        return self.num_image_tokens + self.max_text_len
+
+
+@dataclass
+class VLMOutput:
+    """Model output: ``loss`` (None without labels) and ``logits`` [B, T, vocab] over text positions."""
+
+    loss: Tensor | None
+    logits: Tensor
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention through ``F.scaled_dot_product_attention``.
+
+    The single place both towers compute attention, so it can be swapped for other backends.
+    Usage: ``Attention(dim=64, num_heads=4, causal=False)(x)`` with ``x`` [B, T, dim].
+    """
+
+    def __init__(self, dim: int, num_heads: int, causal: bool, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.causal = causal
+        self.dropout = dropout
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # No mask: vision attends fully; text is right-padded after the image tokens, so with a causal
+        # mask real tokens never see pads (pad positions' outputs are ignored by the loss).
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(out.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: Linear -> GELU -> Linear (usage: ``MLP(64, 256)(x)``)."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (usage: see subclasses)."""
+
+    causal: bool = False
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, num_heads, causal=self.causal, dropout=dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, mlp_ratio * dim, dropout)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionBlock(TransformerBlock):
+    """Bidirectional ViT block; a distinct class so wrapping policies can target it by type.
+
+    Usage: ``VisionBlock(dim=64, num_heads=4, mlp_ratio=4)(x)``
+    """
+
+    causal = False
+
+
+class DecoderLayer(TransformerBlock):
+    """Causal decoder block of the language model (usage: ``DecoderLayer(128, 4, 4)(x)``)."""
+
+    causal = True
+
+
+class VisionTower(nn.Module):
+    """ViT encoder: images [B, 3, S, S] -> patch features [B, N, vision_dim].
+
+    Usage: ``VisionTower(TinyVLMConfig())(pixel_values)``
+    """
+
+    def __init__(self, config: TinyVLMConfig) -> None:
+        super().__init__()
+        c = config
+        self.patch_embed = nn.Conv2d(3, c.vision_dim, kernel_size=c.patch_size, stride=c.patch_size)
+        self.pos_embed = nn.Parameter(torch.zeros(1, c.num_image_tokens, c.vision_dim))
+        self.blocks = nn.ModuleList(
+            VisionBlock(c.vision_dim, c.vision_heads, c.mlp_ratio, c.dropout) for _ in range(c.vision_layers)
+        )
+        self.norm = nn.LayerNorm(c.vision_dim)
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        # Match the weights' dtype so a bf16/fp16 model accepts the collator's float32 images.
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        x = x.flatten(2).transpose(1, 2)
+        if x.shape[1] != self.pos_embed.shape[1]:
+            raise ValueError(f"expected {self.pos_embed.shape[1]} patches, got {x.shape[1]} (image size?)")
+        x = x + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class MultiModalProjector(nn.Module):
+    """Two-layer GELU MLP mapping vision features into the text embedding space.
+
+    Usage: ``MultiModalProjector(64, 128)(features)``
+    """
+
+    def __init__(self, vision_dim: int, text_dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_dim, text_dim)
+        self.act = nn.GELU()
+        self.linear_2 = nn.Linear(text_dim, text_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LanguageModel(nn.Module):
+    """Causal decoder over input embeddings; ``embed_tokens`` turns ids into those embeddings.
+
+    Usage: ``logits = lm(lm.embed_tokens(input_ids))``
+    """
+
+    def __init__(self, config: TinyVLMConfig) -> None:
+        super().__init__()
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.text_dim)
+        self.embed_positions = nn.Embedding(c.max_positions, c.text_dim)
+        self.drop = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c.text_dim, c.text_heads, c.mlp_ratio, c.dropout) for _ in range(c.text_layers)
+        )
+        self.norm = nn.LayerNorm(c.text_dim)
+        self.lm_head = nn.Linear(c.text_dim, c.vocab_size, bias=False)
+
+    def forward(self, inputs_embeds: Tensor, logits_from: int = 0) -> Tensor:
+        """Logits [B, T - logits_from, vocab] for positions ``logits_from`` onwards."""
+        t = inputs_embeds.shape[1]
+        max_positions = self.embed_positions.num_embeddings
+        if t > max_positions:
+            raise ValueError(f"sequence of {t} tokens exceeds max_positions={max_positions}")
+        positions = torch.arange(t, device=inputs_embeds.device)
+        x = self.drop(inputs_embeds + self.embed_positions(positions))
+        for layer in self.layers:
+            x = layer(x)
+        # Skipping the prefix (image tokens) before the head saves work: they never carry a loss.
+        return self.lm_head(self.norm(x[:, logits_from:]))
+
+
+class TinyVLM(nn.Module):
+    """LLaVA-shaped VLM: ViT patches -> projector -> prepended to caption embeddings -> causal LM.
+
+    Usage: ``out = TinyVLM(TinyVLMConfig())(pixel_values, input_ids, labels=labels); out.loss.backward()``
+    """
+
+    # Declared so trainers count loss tokens as HF causal LMs do (labels[:, 1:] != -100) and pass
+    # num_items_in_batch for exact gradient accumulation, without guessing from the class name.
+    loss_shifts_labels = True
+    accepts_loss_kwargs = True
+
+    def __init__(self, config: TinyVLMConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or TinyVLMConfig()
+        self.vision_tower = VisionTower(self.config)
+        self.multi_modal_projector = MultiModalProjector(self.config.vision_dim, self.config.text_dim)
+        self.language_model = LanguageModel(self.config)
+        self.apply(_init_weights)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Total (or trainable) parameter count."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def forward(
+        self,
+        pixel_values: Tensor,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        num_items_in_batch: int | Tensor | None = None,
+    ) -> VLMOutput:
+        """Logits over the text positions, plus the shifted causal-LM loss when ``labels`` is given.
+
+        ``attention_mask`` is accepted so HF-style batches pass through but is unused: right padding
+        plus the causal mask already keeps real tokens from attending to pads. With
+        ``num_items_in_batch`` the loss is ``sum / num_items_in_batch`` (for exact gradient accumulation
+        over micro-batches), otherwise the mean over non-ignored shifted labels.
+        """
+        del attention_mask  # see docstring
+        image_embeds = self.multi_modal_projector(self.vision_tower(pixel_values))
+        text_embeds = self.language_model.embed_tokens(input_ids)
+        inputs_embeds = torch.cat([image_embeds.to(text_embeds.dtype), text_embeds], dim=1)
+        logits = self.language_model(inputs_embeds, logits_from=image_embeds.shape[1])
+        loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
+        return VLMOutput(loss=loss, logits=logits)
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor, num_items_in_batch: int | Tensor | None = None) -> Tensor:
+    """HF-convention loss: position t predicts ``labels[t + 1]``; ``-100`` labels are ignored.
+
+    Usage: ``loss = causal_lm_loss(logits, labels, num_items_in_batch=512)``
+    """
+    # float32 so the loss is accurate even when the model runs in bf16.
+    shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
+    total = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if num_items_in_batch is None:
+        # clamp: an all-ignored batch gives 0 rather than NaN.
+        return total / (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
+    if isinstance(num_items_in_batch, Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-style init: normal(0, 0.02) weights, zero biases, unit LayerNorm; also the pos embedding."""
+    if isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, VisionTower):
+        nn.init.normal_(module.pos_embed, std=0.02)
