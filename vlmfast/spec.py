@@ -106,6 +106,47 @@ class LossSpec(Section):
     max_consecutive_skips: int = Field(5, ge=1, description="with on_nonfinite=skip, stop after this many in a row")
 
 
+class ActivationCheckpointingSpec(Section):
+    """Recompute activations of repeated blocks in backward instead of keeping them (memory for ~30% compute)."""
+
+    enabled: bool = Field(False, description="checkpoint repeated blocks (non-reentrant torch.utils.checkpoint)")
+    blocks: list[str] = Field(
+        default_factory=list, description="module paths/globs of the blocks or ModuleLists to checkpoint; "
+        "empty: auto-detect ModuleLists of identical blocks (Hugging Face models use their own method)"
+    )
+    every: int = Field(1, ge=1, description="checkpoint every k-th block (1: all)")
+    scope: Literal["all", "language_model", "vision"] = Field(
+        "all", description="which tower to checkpoint (the language model usually holds most activations)"
+    )
+    offload_to_cpu: bool = Field(False, description="also move saved activations to CPU (save_on_cpu)")
+
+
+class OOMSpec(Section):
+    """Out-of-memory fallback: halve the micro-batch and retry the same optimizer batch (same gradient)."""
+
+    enabled: bool = Field(False, description="catch OOM in forward/backward, shrink the micro-batch and retry")
+    min_micro_batch_size: int = Field(1, ge=1, description="below this, stop with a memory summary and advice")
+    grow_after_steps: int | None = Field(
+        200, ge=1, description="after this many clean steps try doubling the micro-batch again (null: never)"
+    )
+    expandable_segments: bool = Field(
+        False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts (less fragmentation)"
+    )
+
+
+class MemorySpec(Section):
+    """Memory monitoring: leak detection, allocator history snapshots, the timeline plot."""
+
+    leak_check: bool = Field(True, description="warn when memory keeps growing after warm-up (names the rate)")
+    leak_warmup_steps: int = Field(20, ge=0, description="steps ignored before leak detection starts")
+    leak_window_steps: int = Field(50, ge=5, description="steps over which the growth trend is measured")
+    leak_threshold_mb_per_step: float = Field(1.0, gt=0, description="growth rate that counts as a leak")
+    record_history: bool = Field(
+        False, description="CUDA: record allocator history and dump a snapshot (memory_viz) on OOM into log.dir"
+    )
+    timeline_plot: bool = Field(True, description="write memory_timeline.png to log.dir at the end of the run")
+
+
 class DataSpec(Section):
     """DataLoader settings for the per-rank optimizer batch."""
 
@@ -167,6 +208,9 @@ class TrainSpec(Section):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     loss: LossSpec = Field(default_factory=LossSpec)
+    activation_checkpointing: ActivationCheckpointingSpec = Field(default_factory=ActivationCheckpointingSpec)
+    oom: OOMSpec = Field(default_factory=OOMSpec)
+    memory: MemorySpec = Field(default_factory=MemorySpec)
     data: DataSpec = Field(default_factory=DataSpec)
     save: SaveSpec = Field(default_factory=SaveSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
@@ -194,6 +238,11 @@ class TrainSpec(Section):
             )
         if self.save.every_steps is not None and self.save.dir is None:
             raise ValueError("save.every_steps is set but save.dir is not: set save.dir to a folder")
+        if self.oom.enabled and self.oom.min_micro_batch_size > self.resolved_micro_batch_size:
+            raise ValueError(
+                f"oom.min_micro_batch_size ({self.oom.min_micro_batch_size}) is above micro_batch_size "
+                f"({self.resolved_micro_batch_size}): lower oom.min_micro_batch_size"
+            )
         if self.log.tensorboard and self.log.dir is None:
             raise ValueError("log.tensorboard needs log.dir: set log.dir to a folder")
         return self
