@@ -29,6 +29,7 @@ from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.interrupt import InterruptGuard
+from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.reporting import MetricsLogger, RunReport
 from vlmfast.spec import SpecError, TrainSpec, check_environment
@@ -36,10 +37,12 @@ from vlmfast.strategies.accumulation import (
     AccumulationPlan,
     GradientAccumulation,
     LossFn,
+    all_reduce_gradients,
     scale_gradients,
     sync_context,
 )
 from vlmfast.strategies.base import Strategy
+from vlmfast.strategies.oom import OOMFallback
 from vlmfast.strategies.optimizer import Optimization
 from vlmfast.strategies.precision import MixedPrecision
 from vlmfast.utils import resolve_device, rng_state, seed_everything, set_rng_state
@@ -113,10 +116,17 @@ class OptimizedTrainer:
         )
         self.optimization = Optimization(self.spec, self.device)
         self.strategies: list[Strategy] = [self.precision, self.accumulation, self.optimization]
+        self.oom: OOMFallback | None = None
+        if self.spec.oom.enabled:
+            self.oom = OOMFallback(self.spec.oom, mbs, describe_memory=self._describe_memory)
+            self.strategies.append(self.oom)
         model = model.to(self.device)
         for strategy in self.strategies:
             model = strategy.apply(model)
         self.model = model
+        # DDP + OOM fallback: DDP's in-backward all-reduce would strand a peer whose rank hit the OOM, so gradients
+        # stay local (no_sync) until all ranks agree the step finished, then are averaged by hand.
+        self._manual_grad_sync = self.oom is not None and self.world_size > 1 and hasattr(model, "no_sync")
         self._context_strategies = [s for s in self.strategies
                                     if type(s).forward_context is not Strategy.forward_context]
 
@@ -177,8 +187,7 @@ class OptimizedTrainer:
 
     def train_step(self, batch: Any) -> dict[str, Any]:
         """One optimizer step on one per-rank batch: accumulate gradients, then update. Returns the step metrics."""
-        plan = self.accumulation.plan(batch)
-        loss = self._accumulate_gradients(plan)
+        plan, loss = self._forward_backward_with_fallback(batch)
         loss, grad_norm, stepped = self._apply_update(plan, loss)
         self.scheduler.step()
         self.state.step += 1
@@ -195,6 +204,28 @@ class OptimizedTrainer:
             metrics["grad_norm"] = grad_norm
         return metrics
 
+    def _forward_backward_with_fallback(self, batch: Any) -> tuple[AccumulationPlan, torch.Tensor]:
+        """Gradients of the whole batch; with the OOM fallback, retried at smaller micro-batches until they fit."""
+        if self.oom is None:
+            return self._forward_backward(batch, self.accumulation.micro_batch_size)
+        result = self.oom.run(lambda mbs: self._forward_backward(batch, mbs), cleanup=self._discard_gradients)
+        if self._manual_grad_sync:
+            all_reduce_gradients(self.optimization.trainable, self.world_size)
+        return result
+
+    def _forward_backward(self, batch: Any, micro_batch_size: int) -> tuple[AccumulationPlan, torch.Tensor]:
+        self.accumulation.micro_batch_size = micro_batch_size
+        plan = self.accumulation.plan(batch)
+        return plan, self._accumulate_gradients(plan)
+
+    def _discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.precision.reset_after_oom()
+
+    def _describe_memory(self) -> str:
+        advice = "\n".join(f"  - {line}" for line in oom_advice(self.spec))
+        return f"memory: {memory_summary(self.device)}\ntry, cheapest first:\n{advice}"
+
     def _accumulate_gradients(self, plan: AccumulationPlan) -> torch.Tensor:
         """Forward/backward every micro-batch; gradients sum to the full-batch gradient. Returns the loss tensor."""
         total = torch.zeros((), device=self.device)
@@ -202,7 +233,7 @@ class OptimizedTrainer:
         last = len(plan.micro_batches) - 1
         for index, micro_batch in enumerate(plan.micro_batches):
             micro_batch = move_to_device(micro_batch, self.device)
-            with sync_context(self.model, index == last), self._forward_context():
+            with sync_context(self.model, index == last and not self._manual_grad_sync), self._forward_context():
                 share = self.accumulation.micro_batch_loss(self.model, micro_batch, plan, index)
             self.precision.backward(share * scale if scale != 1.0 else share)
             total += share.detach().float()
@@ -313,8 +344,10 @@ class OptimizedTrainer:
             strategy.load_state_dict(state["strategies"].get(strategy.name, {}))
         self.loader.load_state_dict(state["loader"])
         saved = dict(state["trainer"])
-        saved["micro_batch_size"] = self.state.micro_batch_size  # the split may change: the gradient does not
-        saved["accumulation_steps"] = self.state.accumulation_steps
+        if self.oom is not None:  # the fallback's size (restored above) carries on; otherwise the spec's
+            self.accumulation.micro_batch_size = self.oom.micro_batch_size
+        saved["micro_batch_size"] = self.accumulation.micro_batch_size  # the split may change, the gradient not
+        saved["accumulation_steps"] = -(-self.spec.batch_size // self.accumulation.micro_batch_size)
         self.state = TrainState(**saved)
         set_rng_state(state["rng"])
 

@@ -241,6 +241,38 @@ def scale_gradients(parameters: Iterable[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
+def all_reduce_gradients(parameters: Iterable[torch.Tensor], world_size: int, bucket_mb: float = 25.0) -> None:
+    """Average gradients over ranks by hand, in flat buckets (used when DDP's own sync is off, e.g. OOM fallback).
+
+    Every trainable parameter takes part (a missing gradient counts as zeros) so all ranks reduce the same buckets.
+    """
+    if world_size <= 1 or not torch.distributed.is_initialized():
+        return
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    limit = bucket_mb * 2**20
+    bucket: list[torch.Tensor] = []
+    for grad in [p.grad for p in params]:
+        if bucket and (grad.dtype != bucket[0].dtype or sum(g.nbytes for g in bucket) + grad.nbytes > limit):
+            _reduce_bucket(bucket, world_size)
+            bucket = []
+        bucket.append(grad)
+    if bucket:
+        _reduce_bucket(bucket, world_size)
+
+
+def _reduce_bucket(grads: list[torch.Tensor], world_size: int) -> None:
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    flat = _flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat)
+    flat /= world_size
+    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        grad.copy_(synced)
+
+
 def sync_context(model: nn.Module, is_last: bool) -> AbstractContextManager[Any]:
     """Skip the DDP gradient all-reduce on every micro-batch but the last (`no_sync`)."""
     if not is_last and hasattr(model, "no_sync"):

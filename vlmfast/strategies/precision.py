@@ -11,6 +11,7 @@ Usage in a hand-written loop::
 
 from __future__ import annotations
 
+from collections import defaultdict
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -69,6 +70,13 @@ class MixedPrecision(Strategy):
         self.scaler.step(optimizer)
         self.scaler.update()
         return self.scaler.get_scale() >= scale_before
+
+    def reset_after_oom(self) -> None:
+        """Forget per-step scaler state (found-inf, unscaled) of an aborted step, as update() would."""
+        if self.scaler is not None and hasattr(self.scaler, "_per_optimizer_states"):
+            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+            self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler else {}

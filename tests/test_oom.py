@@ -1,0 +1,157 @@
+"""OOM fallback: the run survives, settles at a size that fits, and trains exactly as if it had started there."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+from conftest import TinyCausalLM, TokenDataset, token_batch
+
+from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.hooks import accumulate_gradients
+from vlmfast.spec import OOMSpec
+from vlmfast.strategies.oom import OOMFallback, OutOfMemoryAtMinimumError, is_oom_error
+from vlmfast.testing import simulated_oom
+
+
+def spec(micro_batch_size=16, **overrides):
+    base = {"max_steps": 8, "batch_size": 16, "micro_batch_size": micro_batch_size, "optimizer": {"lr": 1e-2},
+            "oom": {"enabled": True}, "log": {"progress": "off"}}
+    base.update(overrides)
+    return TrainSpec(**base)
+
+
+def fit(train_spec, limit=None, phase="forward"):
+    torch.manual_seed(0)
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), train_spec)
+    if limit is None:
+        return trainer, trainer.fit()
+    with simulated_oom(limit, phase=phase) as oom:
+        result = trainer.fit()
+    assert oom.count > 0
+    return trainer, result
+
+
+def params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_simulated_oom_checks_only_the_outermost_call_and_counts():
+    model = TinyCausalLM()
+    with simulated_oom(4) as oom:
+        model(**token_batch(4))  # at the limit: fine
+        with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+            model(**token_batch(5))
+    assert oom.count == 1
+    model(**token_batch(8))  # hooks removed on exit
+
+
+def test_simulated_oom_in_backward():
+    model = TinyCausalLM()
+    with simulated_oom(4, phase="backward") as oom:
+        loss = model(**token_batch(8))["loss"]  # forward passes
+        with pytest.raises(torch.OutOfMemoryError):
+            loss.backward()
+    assert oom.count == 1
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_fallback_settles_at_the_size_that_fits_and_matches_a_run_started_there(phase):
+    trainer, result = fit(spec(16), limit=4, phase=phase)
+    reference, _ = fit(spec(4))
+    assert trainer.state.micro_batch_size == 4 and trainer.state.accumulation_steps == 4
+    assert [m["micro_batch_size"] for m in result.history] == [4] * 8
+    assert [(e["from"], e["to"]) for e in trainer.oom.events] == [(16, 8), (8, 4)]
+    for name, value in params(reference.model).items():
+        torch.testing.assert_close(params(trainer.model)[name], value, rtol=1e-6, atol=1e-6)
+    assert "oom fallback: micro_batch_size 16 -> 4" in result.report.to_text()
+
+
+def test_grows_back_after_clean_steps_and_backs_off_when_growing_fails():
+    trainer, result = fit(spec(16, max_steps=12, oom={"enabled": True, "grow_after_steps": 3}), limit=8)
+    moves = [(e["from"], e["to"]) for e in trainer.oom.events]
+    assert moves == [(16, 8), (8, 16), (16, 8), (8, 16), (16, 8)]  # grows after 3 clean steps, then after 6
+    assert trainer.oom.grow_after == 12  # doubled after each failed grow
+    assert all(m["micro_batch_size"] == 8 for m in result.history)
+
+
+def test_below_the_minimum_fails_with_summary_and_advice():
+    with pytest.raises(OutOfMemoryAtMinimumError) as info:
+        fit(spec(16, oom={"enabled": True, "min_micro_batch_size": 4}), limit=2)
+    message = str(info.value)
+    assert "out of memory at micro_batch_size 4" in message
+    assert "activation_checkpointing.enabled: true" in message and "precision: bf16" in message
+    assert "rss_gb" in message
+
+
+def test_the_chosen_size_is_checkpointed_and_restored(tmp_path):
+    save = {"dir": str(tmp_path), "every_steps": 4}
+    fit(spec(16, max_steps=4, save=save), limit=4)
+    torch.manual_seed(0)
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), spec(16, max_steps=8, save=save))
+    with simulated_oom(4) as oom:
+        result = trainer.fit()
+    assert oom.count == 0 and result.history[0]["step"] == 5
+    assert trainer.state.micro_batch_size == 4
+
+
+def test_oom_is_recognised_by_type_then_by_message():
+    assert is_oom_error(torch.OutOfMemoryError("x"))
+    assert is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert is_oom_error(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried"))
+    assert not is_oom_error(RuntimeError("shape mismatch"))
+    assert not is_oom_error(ValueError("CUDA out of memory"))  # not a RuntimeError: a user's bug, not an OOM
+
+
+def test_standalone_hook_in_a_hand_written_loop():
+    torch.manual_seed(0)
+    model = TinyCausalLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fallback = OOMFallback(OOMSpec(enabled=True), micro_batch_size=8)
+    batch = token_batch(8)
+    with simulated_oom(2):
+        loss = fallback.run(lambda mbs: accumulate_gradients(model, batch, mbs),
+                            cleanup=lambda: optimizer.zero_grad(set_to_none=True))
+    optimizer.step()
+    assert fallback.micro_batch_size == 2 and torch.isfinite(loss)
+
+
+# ---- two processes (gloo): one rank hits the OOM, both shrink, nobody hangs ------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, port: int, limit: int | None, micro_batch_size: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(TinyCausalLM())
+        trainer = OptimizedTrainer(model, TokenDataset(64), spec(micro_batch_size, max_steps=5))
+        if limit is None:
+            trainer.fit()
+        else:
+            with simulated_oom(limit, ranks=[0]):  # only rank 0 runs out of memory
+                trainer.fit()
+        torch.save({"params": params(model.module), "mbs": trainer.state.micro_batch_size}, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _run_two_ranks(limit, micro_batch_size, out):
+    torch.multiprocessing.spawn(_ddp_worker, args=(_free_port(), limit, micro_batch_size, str(out)), nprocs=2)
+    return [torch.load(f"{out}.{rank}") for rank in range(2)]
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_one_oom_both_shrink_and_match_the_reference(tmp_path):
+    survived = _run_two_ranks(4, 16, tmp_path / "oom.pt")
+    reference = _run_two_ranks(None, 4, tmp_path / "ref.pt")
+    assert [r["mbs"] for r in survived] == [4, 4]  # rank 1 never ran out of memory, yet shrank with rank 0
+    for rank in range(2):
+        for name, value in reference[rank]["params"].items():
+            torch.testing.assert_close(survived[rank]["params"][name], value, rtol=1e-6, atol=1e-6)
