@@ -31,3 +31,11 @@ def test_set_overrides_are_validated_before_any_work(capsys):
     assert (spec.precision, spec.optimizer.lr, spec.micro_batch_size) == ("bf16", 3e-4, 4)
     assert main(["train", "--set", "micro_batch_size=5"]) == 2  # 16 is not divisible by 5
     assert "divisible by micro_batch_size (5)" in capsys.readouterr().err
+
+
+def test_find_batch_size_command_prints_a_valid_recommendation(capsys):
+    assert main(["find-batch-size", "--set", "batch_size=8", "--samples", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "largest micro-batch that fits: 8" in out
+    recommended = int(out.split("micro_batch_size: ")[1].split()[0])
+    assert TrainSpec(batch_size=8, micro_batch_size=recommended)  # the spec accepts it

@@ -155,3 +155,50 @@ def test_two_ranks_one_oom_both_shrink_and_match_the_reference(tmp_path):
     for rank in range(2):
         for name, value in reference[rank]["params"].items():
             torch.testing.assert_close(survived[rank]["params"][name], value, rtol=1e-6, atol=1e-6)
+
+
+# ---- batch-size finder -----------------------------------------------------------------------------------------
+def test_finder_finds_the_largest_size_and_restores_all_state():
+    torch.manual_seed(0)
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), spec(16))
+    trainer.fit()  # a trained model with optimizer state: both must come back unchanged
+    before_params = params(trainer.model)
+    before_opt = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
+    position = trainer.loader.state_dict()
+    with simulated_oom(5):
+        search = trainer.find_micro_batch_size()
+    assert search.largest == 5 and search.recommended == 4  # 90 % margin (4.5), a divisor of 16
+    assert search.tried[16] is False and search.tried[5] is True and search.tried[6] is False
+    for name, value in before_params.items():
+        assert torch.equal(params(trainer.model)[name], value), name
+    for key, value in before_opt.items():
+        assert torch.equal(trainer.optimizer.state_dict()["state"][0][key], value), key
+    assert trainer.loader.state_dict() == position
+
+
+def test_finder_propagates_errors_that_are_not_oom():
+    class Broken(TinyCausalLM):
+        def forward(self, input_ids, labels=None, attention_mask=None):
+            raise RuntimeError("shape mismatch in user code")
+
+    trainer = OptimizedTrainer(Broken(), TokenDataset(64), spec(16))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        trainer.find_micro_batch_size()
+
+
+def _finder_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), spec(16))
+        with simulated_oom(6, ranks=[1]):  # rank 1 has less memory: both ranks must settle on its size
+            torch.save(trainer.find_micro_batch_size().largest, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_finder_ranks_agree_on_the_smallest_fit(tmp_path):
+    torch.multiprocessing.spawn(_finder_worker, args=(_free_port(), str(tmp_path / "n")), nprocs=2)
+    assert [torch.load(f"{tmp_path / 'n'}.{rank}") for rank in range(2)] == [6, 6]

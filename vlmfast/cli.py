@@ -4,6 +4,7 @@ Usage::
 
     vlmfast train                          # the built-in tiny VLM on generated data, with a speed/memory report
     vlmfast train run.yaml --set precision=bf16 --set optimizer.lr=3e-4
+    vlmfast find-batch-size run.yaml       # the largest micro-batch that fits, all state restored
     vlmfast spec --defaults > run.yaml     # a commented template of every field
     vlmfast spec --schema                  # the JSON schema
     vlmfast spec --check run.yaml          # validate a spec without running anything
@@ -53,13 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model (default: the built-in tiny VLM on generated data)")
-    train.add_argument("config", nargs="?", help="spec file (.yaml/.yml/.json); default: the built-in demo spec")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a spec field, dotted for sections, e.g. --set optimizer.lr=3e-4")
-    train.add_argument("--task", default=DEFAULT_TASK,
-                       help="module:function returning (model, train_dataset, collate_fn); default: the tiny VLM")
-    train.add_argument("--samples", type=int, default=4096, help="generated samples for the built-in task")
+    _add_job_arguments(train)
     train.set_defaults(run=_cmd_train)
+
+    finder = sub.add_parser("find-batch-size", help="binary-search the largest micro-batch that fits (forward, "
+                            "backward and optimizer step), state restored afterwards")
+    _add_job_arguments(finder)
+    finder.add_argument("--margin", type=float, default=0.9, help="safety margin (fraction of device memory)")
+    finder.set_defaults(run=_cmd_find_batch_size)
 
     spec = sub.add_parser("spec", help="print the spec schema or a commented defaults template, or check a file")
     group = spec.add_mutually_exclusive_group(required=True)
@@ -68,6 +70,15 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--check", metavar="FILE", help="validate a spec file and print it resolved")
     spec.set_defaults(run=_cmd_spec)
     return parser
+
+
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="spec file (.yaml/.yml/.json); default: the built-in demo spec")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec field, dotted for sections, e.g. --set optimizer.lr=3e-4")
+    parser.add_argument("--task", default=DEFAULT_TASK,
+                        help="module:function returning (model, train_dataset, collate_fn); default: the tiny VLM")
+    parser.add_argument("--samples", type=int, default=4096, help="generated samples for the built-in task")
 
 
 def _cmd_spec(args: argparse.Namespace) -> int:
@@ -116,7 +127,8 @@ def _load_task(target: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:
+    """The trainer for the job the arguments name, and the text-only baseline for the built-in task."""
     spec = build_spec(args.config, args.set)  # fails here, before the model or data are built
     from vlmfast.trainer import OptimizedTrainer
 
@@ -124,7 +136,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     task = _load_task(args.task)
     model, dataset, collate = task(seed=spec.seed, num_samples=args.samples) if builtin else task()
     eval_data, baseline = _builtin_eval(spec.seed) if builtin else (None, None)
-    trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate, eval_data=eval_data)
+    return OptimizedTrainer(model, dataset, spec, collate_fn=collate, eval_data=eval_data), baseline
+
+
+def _cmd_find_batch_size(args: argparse.Namespace) -> int:
+    trainer, _ = _build_trainer(args)
+    print(trainer.find_micro_batch_size(safety_margin=args.margin).to_text())
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    trainer, baseline = _build_trainer(args)
     result = trainer.fit()
     if result.interrupted:
         print(f"interrupted by {result.interrupted}; checkpoint: {result.checkpoint}", file=sys.stderr)

@@ -12,6 +12,7 @@ micro-batch size (Composer's design).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -26,10 +27,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from vlmfast.callbacks import Callback
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
+from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device, split_batch
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.interrupt import InterruptGuard
 from vlmfast.memory.advice import memory_summary, oom_advice
+from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.reporting import MetricsLogger, RunReport
 from vlmfast.spec import SpecError, TrainSpec, check_environment
@@ -283,6 +285,34 @@ class OptimizedTrainer:
         for strategy in self._context_strategies:
             stack.enter_context(strategy.forward_context())
         return stack
+
+    # ---- batch-size search ----------------------------------------------------------------------------------
+    def find_micro_batch_size(self, safety_margin: float = 0.9) -> BatchSizeSearch:
+        """Largest micro-batch (up to batch_size) whose forward+backward+step fits; all state restored afterwards."""
+        snapshot = (copy.deepcopy(_unwrap(self.model).state_dict()), copy.deepcopy(self.optimizer.state_dict()),
+                    rng_state(), self.loader.state_dict())
+        batch = next(self.loader)
+        was_training = self.model.training
+        self.model.train()
+
+        def probe(n: int) -> None:
+            micro = split_batch(batch, n)[0]
+            try:
+                self._forward_backward(micro, n)
+                self.optimizer.step()  # optimizer states are allocated on the first step: count them
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+
+        try:
+            return find_max_micro_batch_size(probe, self.spec.batch_size, safety_margin=safety_margin,
+                                             device=self.device)
+        finally:
+            _unwrap(self.model).load_state_dict(snapshot[0])
+            self.optimizer.load_state_dict(snapshot[1])
+            set_rng_state(snapshot[2])
+            self.loader.load_state_dict(snapshot[3])
+            self.accumulation.micro_batch_size = self.state.micro_batch_size
+            self.model.train(was_training)
 
     # ---- evaluation -----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,93 @@
+"""Find the largest micro-batch that fits: binary search over forward + backward + optimizer step.
+
+Usage::
+
+    search = trainer.find_micro_batch_size()      # model and optimizer state are restored afterwards
+    print(search.largest, search.recommended)
+
+or, for any loop, ``find_max_micro_batch_size(probe, max_size=64)`` with ``probe(n)`` running one step on n samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from vlmfast.strategies.oom import any_rank, free_memory, is_oom_error
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchSizeSearch:
+    """The outcome: the largest size that fitted on every rank, the size to use, and every probe's result."""
+
+    largest: int
+    recommended: int
+    tried: dict[int, bool] = field(default_factory=dict)
+    margin_note: str = ""
+
+    def to_text(self) -> str:
+        probes = ", ".join(f"{n}: {'fits' if ok else 'OOM'}" for n, ok in sorted(self.tried.items()))
+        return (f"largest micro-batch that fits: {self.largest} ({probes})\n"
+                f"recommended: micro_batch_size: {self.recommended}  ({self.margin_note})")
+
+
+def find_max_micro_batch_size(
+    probe: Callable[[int], None],
+    max_size: int,
+    *,
+    min_size: int = 1,
+    safety_margin: float = 0.9,
+    device: torch.device | None = None,
+) -> BatchSizeSearch:
+    """Binary search of the largest n in [min_size, max_size] for which `probe(n)` runs without OOM on all ranks.
+
+    On CUDA a probe only counts as fitting when its peak allocation stays under `safety_margin` of the device's
+    memory; without a memory reading (CPU) the recommendation is the largest size scaled by `safety_margin`.
+    """
+    tried: dict[int, bool] = {}
+
+    def fits(n: int) -> bool:
+        tried[n] = _probe_fits(probe, n, safety_margin, device)
+        log.info("batch-size search: %d %s", n, "fits" if tried[n] else "does not fit")
+        return tried[n]
+
+    if not fits(min_size):
+        raise torch.OutOfMemoryError(f"even micro_batch_size {min_size} does not fit: see vlmfast estimate-memory")
+    low, high = min_size, max_size + 1  # low fits, high does not (or is out of range)
+    if fits(max_size):
+        low = max_size
+    else:
+        high = max_size
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    measured = device is not None and device.type == "cuda"
+    limit = low if measured else max(min_size, int(low * safety_margin))
+    # A divisor of max_size (the batch size) so micro-batches are equal, as the spec requires.
+    recommended = max((d for d in range(min_size, limit + 1) if max_size % d == 0), default=min_size)
+    note = (f"peak memory kept under {safety_margin:.0%} of the device" if measured
+            else f"{safety_margin:.0%} of the largest: no device memory reading on {device.type if device else 'cpu'}")
+    return BatchSizeSearch(low, recommended, tried, note + f"; a divisor of the batch size {max_size}")
+
+
+def _probe_fits(probe: Callable[[int], None], n: int, safety_margin: float, device: torch.device | None) -> bool:
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    ok = True
+    try:
+        probe(n)
+    except Exception as exc:
+        if not is_oom_error(exc):
+            raise
+        ok = False  # leave the except block before freeing: the traceback pins the probe's tensors
+    free_memory()
+    if ok and cuda:
+        total = torch.cuda.get_device_properties(device).total_memory
+        ok = torch.cuda.max_memory_allocated(device) <= safety_margin * total
+    return not any_rank(not ok)
