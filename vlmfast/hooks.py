@@ -13,15 +13,19 @@ Usage::
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vlmfast.data.batch import move_to_device, split_batch
 from vlmfast.interrupt import InterruptGuard
+from vlmfast.memory.advice import memory_summary, oom_advice
+from vlmfast.memory.batch_size import find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb
 from vlmfast.strategies.accumulation import (
     accumulate_gradients,
+    all_reduce_gradients,
     count_loss_tokens,
     extract_loss,
     model_accepts_num_items,
     model_shifts_labels,
     sync_context,
 )
+from vlmfast.strategies.oom import OOMFallback, free_memory, is_oom_error, set_expandable_segments
 from vlmfast.strategies.optimizer import (
     build_optimizer,
     build_param_groups,
@@ -35,7 +39,9 @@ from vlmfast.strategies.precision import MixedPrecision, autocast_context, enabl
 __all__ = [
     "InterruptGuard",
     "MixedPrecision",
+    "OOMFallback",
     "accumulate_gradients",
+    "all_reduce_gradients",
     "autocast_context",
     "build_optimizer",
     "build_param_groups",
@@ -44,16 +50,22 @@ __all__ = [
     "count_loss_tokens",
     "enable_tf32",
     "extract_loss",
+    "find_max_micro_batch_size",
+    "free_memory",
     "freeze_modules",
+    "is_oom_error",
     "latest_checkpoint",
     "load_checkpoint",
     "lr_multiplier",
     "memory_stats",
+    "memory_summary",
     "model_accepts_num_items",
     "model_shifts_labels",
     "move_to_device",
+    "oom_advice",
     "peak_memory_gb",
     "save_checkpoint",
+    "set_expandable_segments",
     "split_batch",
     "sync_context",
 ]
