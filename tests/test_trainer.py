@@ -226,3 +226,18 @@ def test_hugging_face_llava_with_frozen_vision_tower_and_projector_lr():
     assert vision and all(torch.equal(before[n], after[n]) for n in vision)
     assert any(g["lr"] == 1e-2 and "model" in g["label"] for g in trainer.optimizer.param_groups)
     assert result.history[-1]["loss"] < result.history[0]["loss"] - 0.5
+
+
+def test_activation_checkpointing_through_the_spec_keeps_the_trajectory():
+    from vlmfast.models import build_tiny_vlm_task
+
+    losses = []
+    for enabled in (False, True):
+        model, data, collate = build_tiny_vlm_task(seed=0, num_samples=64)
+        spec = make_spec(max_steps=3, activation_checkpointing={"enabled": enabled, "scope": "language_model"})
+        trainer = OptimizedTrainer(model, data, spec, collate_fn=collate)
+        losses.append([m["loss"] for m in trainer.fit().history])
+        if enabled:
+            assert "activation checkpointing" in trainer.strategies[-1].describe()
+            assert trainer.strategies[-1].blocks  # something was really wrapped
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

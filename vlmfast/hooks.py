@@ -25,6 +25,12 @@ from vlmfast.strategies.accumulation import (
     model_shifts_labels,
     sync_context,
 )
+from vlmfast.strategies.checkpointing import (
+    apply_activation_checkpointing,
+    checkpoint_call,
+    detach_frozen_modules,
+    saved_tensor_bytes,
+)
 from vlmfast.strategies.oom import OOMFallback, free_memory, is_oom_error, set_expandable_segments
 from vlmfast.strategies.optimizer import (
     build_optimizer,
@@ -42,12 +48,15 @@ __all__ = [
     "OOMFallback",
     "accumulate_gradients",
     "all_reduce_gradients",
+    "apply_activation_checkpointing",
     "autocast_context",
     "build_optimizer",
     "build_param_groups",
     "build_scheduler",
+    "checkpoint_call",
     "clip_gradients",
     "count_loss_tokens",
+    "detach_frozen_modules",
     "enable_tf32",
     "extract_loss",
     "find_max_micro_batch_size",
@@ -65,6 +74,7 @@ __all__ = [
     "oom_advice",
     "peak_memory_gb",
     "save_checkpoint",
+    "saved_tensor_bytes",
     "set_expandable_segments",
     "split_batch",
     "sync_context",

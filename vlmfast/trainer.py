@@ -44,6 +44,7 @@ from vlmfast.strategies.accumulation import (
     sync_context,
 )
 from vlmfast.strategies.base import Strategy
+from vlmfast.strategies.checkpointing import ActivationCheckpointing
 from vlmfast.strategies.oom import OOMFallback
 from vlmfast.strategies.optimizer import Optimization
 from vlmfast.strategies.precision import MixedPrecision
@@ -118,6 +119,8 @@ class OptimizedTrainer:
         )
         self.optimization = Optimization(self.spec, self.device)
         self.strategies: list[Strategy] = [self.precision, self.accumulation, self.optimization]
+        if self.spec.activation_checkpointing.enabled:  # after Optimization: it must see which modules are frozen
+            self.strategies.append(ActivationCheckpointing(self.spec.activation_checkpointing))
         self.oom: OOMFallback | None = None
         if self.spec.oom.enabled:
             self.oom = OOMFallback(self.spec.oom, mbs, describe_memory=self._describe_memory)
