@@ -32,6 +32,7 @@ from vlmfast.data.loader import ResumableLoader
 from vlmfast.interrupt import InterruptGuard
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size
+from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.reporting import MetricsLogger, RunReport
 from vlmfast.spec import SpecError, TrainSpec, check_environment
@@ -121,9 +122,11 @@ class OptimizedTrainer:
         self.strategies: list[Strategy] = [self.precision, self.accumulation, self.optimization]
         if self.spec.activation_checkpointing.enabled:  # after Optimization: it must see which modules are frozen
             self.strategies.append(ActivationCheckpointing(self.spec.activation_checkpointing))
+        self.memory_monitor = self._build_memory_monitor()
         self.oom: OOMFallback | None = None
         if self.spec.oom.enabled:
-            self.oom = OOMFallback(self.spec.oom, mbs, describe_memory=self._describe_memory)
+            dump = self.memory_monitor.dump_snapshot if self.spec.memory.record_history and self.spec.log.dir else None
+            self.oom = OOMFallback(self.spec.oom, mbs, describe_memory=self._describe_memory, on_oom=dump)
             self.strategies.append(self.oom)
         model = model.to(self.device)
         for strategy in self.strategies:
@@ -138,6 +141,15 @@ class OptimizedTrainer:
         pin = self.spec.data.pin_memory if self.spec.data.pin_memory is not None else self.device.type == "cuda"
         self.loader = ResumableLoader(train_data, self.spec.batch_size, self.spec.data, self.spec.seed,
                                       collate_fn, pin_memory=pin, rank=self.rank, world_size=self.world_size)
+
+    def _build_memory_monitor(self) -> MemoryMonitor | None:
+        """Leak detection, allocator history and the timeline plot, fed by the trainer's memory readings."""
+        memory = self.spec.memory
+        if not (memory.leak_check or memory.record_history or (memory.timeline_plot and self.spec.log.dir)):
+            return None
+        monitor = MemoryMonitor(memory, self.device, self.spec.log.dir, every_steps=self.spec.log.memory_every_steps)
+        self.callbacks.insert(0, monitor)
+        return monitor
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
