@@ -73,8 +73,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); 1 removes thread-scheduling jitter on CPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     model, dataset, collate = build_tiny_vlm_task(seed=0)
     runs: dict[str, list[float]] = {"hand_written": [], "vlmfast": []}
@@ -91,7 +95,7 @@ def main() -> None:
         "benchmark": "overhead",
         "model": "tiny VLM (built-in), fp32, micro-batch = batch",
         "steps_per_run": args.steps, "warmup_steps_dropped": args.warmup, "repeats": args.repeats,
-        "batch_size": args.batch_size,
+        "batch_size": args.batch_size, "torch_threads": torch.get_num_threads(),
         "median_step_s": {name: median(values) for name, values in runs.items()},
         "run_medians_s": runs,
         "paired_ratios": ratios,
