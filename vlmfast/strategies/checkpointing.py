@@ -19,6 +19,7 @@ and the loss stay on the device, where copying them would cost more than it save
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -68,11 +69,22 @@ def saved_tensor_bytes(fn: Callable[[], Any], *, include_parameters: bool = Fals
             seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        result = fn()  # held until counted: a live graph keeps its storages from being reused
+    # Non-reentrant checkpointing keeps each block's inputs in its recompute closure, out of sight of these
+    # hooks: checkpoint_call reports them through _HELD_INPUTS so they are counted too.
+    token = _HELD_INPUTS.set(pack)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = fn()  # held until counted: a live graph keeps its storages from being reused
+    finally:
+        _HELD_INPUTS.reset(token)
     total = sum(seen.values())
     del result
     return total
+
+
+_HELD_INPUTS: contextvars.ContextVar[Callable[[torch.Tensor], Any] | None] = contextvars.ContextVar(
+    "vlmfast_checkpoint_held_inputs", default=None
+)
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
@@ -91,6 +103,11 @@ def checkpoint_call(fn: Callable[..., Any], *args: Any, offload_to_cpu: bool = F
     # kwargs go through a partial so a block argument named like one of checkpoint's own (debug, context_fn, ...)
     # cannot be taken by checkpoint; non-reentrant checkpointing still gives gradients to tensors in them.
     call = functools.partial(fn, **kwargs) if kwargs else fn
+    report = _HELD_INPUTS.get()
+    if report is not None and not offload_to_cpu:  # measuring: the inputs stay alive until backward
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                report(value)
     if not offload_to_cpu:
         return checkpoint(call, *args, use_reentrant=False)
     # Looked up at call time (not imported) so tests can observe it; pinned memory only where CUDA exists.
@@ -252,12 +269,12 @@ def _enable_hf_checkpointing(model: nn.Module, offload_to_cpu: bool) -> list[str
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if offload_to_cpu:
-        # Our function rather than HF's `offload=`: older versions lack it, and HF pins memory even without CUDA.
-        func = functools.partial(checkpoint_call, offload_to_cpu=True)
-        for module in model.modules():
-            if hasattr(module, "_gradient_checkpointing_func"):
-                module._gradient_checkpointing_func = func
+    # Our function for every HF layer: one code path (offload, measurement) for HF and generic blocks. Not HF's
+    # `offload=`: older versions lack it, and HF pins memory even without CUDA.
+    func = functools.partial(checkpoint_call, offload_to_cpu=offload_to_cpu)
+    for module in model.modules():
+        if hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = func
     return [name for name, module in _auto_blocks_flat(model) if getattr(module, "gradient_checkpointing", False)]
 
 
