@@ -202,3 +202,10 @@ def _finder_worker(rank: int, port: int, out: str) -> None:
 def test_finder_ranks_agree_on_the_smallest_fit(tmp_path):
     torch.multiprocessing.spawn(_finder_worker, args=(_free_port(), str(tmp_path / "n")), nprocs=2)
     assert [torch.load(f"{tmp_path / 'n'}.{rank}") for rank in range(2)] == [6, 6]
+
+
+def test_expandable_segments_is_set_before_cuda_starts(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    OOMFallback(OOMSpec(enabled=True, expandable_segments=True), micro_batch_size=8)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
