@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -119,15 +118,13 @@ def test_standalone_hook_in_a_hand_written_loop():
 
 
 # ---- two processes (gloo): one rank hits the OOM, both shrink, nobody hangs ------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _init_two_ranks(rank: int, rendezvous: str) -> None:
+    # A file rendezvous: no TCP port to pick, so parallel test runs cannot collide.
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
 
 
-def _ddp_worker(rank: int, port: int, limit: int | None, micro_batch_size: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+def _ddp_worker(rank: int, rendezvous: str, limit: int | None, micro_batch_size: int, out: str) -> None:
+    _init_two_ranks(rank, rendezvous)
     try:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(TinyCausalLM())
@@ -143,7 +140,7 @@ def _ddp_worker(rank: int, port: int, limit: int | None, micro_batch_size: int, 
 
 
 def _run_two_ranks(limit, micro_batch_size, out):
-    torch.multiprocessing.spawn(_ddp_worker, args=(_free_port(), limit, micro_batch_size, str(out)), nprocs=2)
+    torch.multiprocessing.spawn(_ddp_worker, args=(f"{out}.rdzv", limit, micro_batch_size, str(out)), nprocs=2)
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
 
@@ -186,9 +183,8 @@ def test_finder_propagates_errors_that_are_not_oom():
         trainer.find_micro_batch_size()
 
 
-def _finder_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+def _finder_worker(rank: int, rendezvous: str, out: str) -> None:
+    _init_two_ranks(rank, rendezvous)
     try:
         torch.manual_seed(0)
         trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), spec(16))
@@ -200,7 +196,7 @@ def _finder_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_finder_ranks_agree_on_the_smallest_fit(tmp_path):
-    torch.multiprocessing.spawn(_finder_worker, args=(_free_port(), str(tmp_path / "n")), nprocs=2)
+    torch.multiprocessing.spawn(_finder_worker, args=(str(tmp_path / "rdzv"), str(tmp_path / "n")), nprocs=2)
     assert [torch.load(f"{tmp_path / 'n'}.{rank}") for rank in range(2)] == [6, 6]
 
 

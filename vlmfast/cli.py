@@ -5,6 +5,7 @@ Usage::
     vlmfast train                          # the built-in tiny VLM on generated data, with a speed/memory report
     vlmfast train run.yaml --set precision=bf16 --set optimizer.lr=3e-4
     vlmfast find-batch-size run.yaml       # the largest micro-batch that fits, all state restored
+    vlmfast estimate-memory --model llava-1.5-7b --gpu-gb 24   # will it fit, and the cheapest changes
     vlmfast spec --defaults > run.yaml     # a commented template of every field
     vlmfast spec --schema                  # the JSON schema
     vlmfast spec --check run.yaml          # validate a spec without running anything
@@ -62,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_job_arguments(finder)
     finder.add_argument("--margin", type=float, default=0.9, help="safety margin (fraction of device memory)")
     finder.set_defaults(run=_cmd_find_batch_size)
+
+    from vlmfast.memory.estimate_cli import add_estimate_memory_parser
+
+    add_estimate_memory_parser(sub)
 
     spec = sub.add_parser("spec", help="print the spec schema or a commented defaults template, or check a file")
     group = spec.add_mutually_exclusive_group(required=True)

@@ -1,0 +1,330 @@
+"""Activation measurement: what autograd saves for backward during a probe forward, the built-in probes, checkpointing.
+
+Usage: ``m = measure_saved_activations(model, lambda: model(**batch).loss); m.full(), m.checkpointed({0, 1})``
+
+Activations are the storages autograd saves for backward (each storage once; parameters and buffers left out),
+measured during a probe forward at micro-batch 1 and 2 and extrapolated linearly (the part that does not grow with
+the batch, such as autocast's 16-bit weight copies, stays fixed). Hugging Face models built on the meta device cost
+nothing to probe: shapes and dtypes are all that is needed. With ``activation_checkpointing`` the same probe tells
+what checkpointing keeps: every repeated block's inputs (``nn.ModuleList`` of one class, as
+``vlmfast.strategies.checkpointing`` selects them) plus everything saved outside the blocks, plus one block's
+internals, recomputed during backward. Measured with hooks rather than by applying checkpointing, because
+non-reentrant checkpointing holds the block inputs in its recomputation closure, out of sight of saved-tensor hooks,
+and because an estimate should not rewrap the user's model.
+
+Also here: the fused-attention implementation registered for models built on the meta device, where SDPA would
+otherwise fall back to the math kernel and keep the L x L scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ModelProbe", "default_activation_probe", "measure_saved_activations", "repeated_blocks"]
+
+DEFAULT_HF_SEQ_LEN = 2048  # LLaVA-1.5's model_max_length: the longest sample the estimate must survive
+
+
+class _Measurement(NamedTuple):
+    """Storages saved during one probe forward, who saved them, and each repeated block's inputs."""
+
+    sizes: dict[int, int]
+    owners: dict[int, frozenset[int | None]]  # block index, None for outside any block
+    inputs: dict[int, dict[int, int]]
+    block_paths: tuple[str, ...]
+
+    def full(self) -> int:
+        return sum(self.sizes.values())
+
+    def checkpointed(self, selected: set[int]) -> int:
+        """Bytes kept when the selected blocks are checkpointed: their inputs, the rest, one block recomputed."""
+        kept = {k: n for k, n in self.sizes.items() if not self.owners[k] <= selected}
+        active = [i for i in selected if any(i in self.owners[k] for k in self.sizes)]
+        for i in active:  # a block that saved nothing (frozen, no grad flowing) keeps no inputs either
+            kept.update(self.inputs.get(i, {}))
+        recompute = max((sum(n for k, n in self.sizes.items() if i in self.owners[k] and k not in kept)
+                         for i in active), default=0)
+        return sum(kept.values()) + recompute
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """(key, bytes) of a tensor's storage; the key also tells meta storages apart, whose data_ptr is 0."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage._cdata, storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without a plain storage
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+    elif depth < 3 and isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, depth + 1)
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks activation checkpointing wraps: members of outermost ModuleLists of one module class.
+
+    Usage: ``[name for name, _ in repeated_blocks(model)]`` -> ``['vision_tower.blocks.0', ...]``
+    """
+    try:  # the strategy's own selection when it is there, so estimate and training agree
+        from vlmfast.strategies.checkpointing import find_repeated_blocks
+    except ImportError:
+        find_repeated_blocks = _find_repeated_blocks
+    return [(f"{path}.{i}", block) for path, mlist in find_repeated_blocks(model).items()
+            for i, block in enumerate(mlist)]
+
+
+def _find_repeated_blocks(model: nn.Module) -> dict[str, nn.ModuleList]:
+    found: dict[str, nn.ModuleList] = {}
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") for outer in found):
+            continue
+        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
+            found[name] = module
+    return found
+
+
+def measure_saved_activations(
+    model: nn.Module, run: Callable[[], Any], blocks: Sequence[tuple[str, nn.Module]] | None = None
+) -> _Measurement:
+    """Record the storages autograd saves while ``run()`` does a forward pass, and which block saved them.
+
+    Usage: ``m = measure_saved_activations(model, lambda: model(**batch).loss); m.full(), m.checkpointed({0, 1})``
+
+    Parameters and buffers are left out (they are resident anyway). Every saved tensor is held until the end, so a
+    freed storage's address cannot be reused by a later one and be counted once for two.
+    """
+    blocks = repeated_blocks(model) if blocks is None else list(blocks)
+    resident = {_storage_key(t)[0] for t in (*model.parameters(), *model.buffers())}
+    sizes: dict[int, int] = {}
+    owners: dict[int, set[int | None]] = {}
+    inputs: dict[int, dict[int, int]] = {}
+    stack: list[int] = []
+    keep: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key, nbytes = _storage_key(tensor)
+        if key not in resident:
+            keep.append(tensor)
+            sizes[key] = nbytes
+            owners.setdefault(key, set()).add(stack[-1] if stack else None)
+        return tensor
+
+    def enter(index: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            stack.append(index)
+            for tensor in _tensors_in((args, kwargs)):
+                key, nbytes = _storage_key(tensor)
+                if key not in resident:
+                    keep.append(tensor)
+                    inputs.setdefault(index, {})[key] = nbytes
+        return hook
+
+    def leave(*_: Any) -> None:
+        if stack:
+            stack.pop()
+
+    handles = []
+    try:
+        for i, (_, block) in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(enter(i), with_kwargs=True))
+            handles.append(block.register_forward_hook(leave))
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    del result
+    keep.clear()
+    return _Measurement(sizes, {k: frozenset(v) for k, v in owners.items()}, inputs, tuple(p for p, _ in blocks))
+
+
+@dataclass
+class ModelProbe:
+    """A forward pass of the model at a micro-batch size and sequence length (image + text tokens).
+
+    Usage: ``probe = default_activation_probe(model); loss = probe(2, seq_len=512)``
+    """
+
+    run: Callable[[int, int], Any]
+    default_seq_len: int
+    max_seq_len: int | None = None
+
+    def __call__(self, micro_batch_size: int, seq_len: int | None = None) -> Any:
+        seq_len = seq_len or self.default_seq_len
+        if self.max_seq_len is not None and seq_len > self.max_seq_len:
+            raise ValueError(f"seq_len {seq_len} exceeds the model's {self.max_seq_len} positions")
+        return self.run(micro_batch_size, seq_len)
+
+
+def _first_param(model: nn.Module) -> torch.Tensor:
+    return next((p for p in model.parameters() if p.is_floating_point()), torch.empty(0))
+
+
+def _lm_loss(logits: torch.Tensor) -> torch.Tensor:
+    # float32 like Hugging Face's loss: the upcast logits are part of what training keeps.
+    flat = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device))
+
+
+def _tiny_vlm_probe(model: nn.Module) -> ModelProbe:
+    cfg = model.config
+
+    def run(mbs: int, seq_len: int) -> Any:
+        device = _first_param(model).device
+        text_len = seq_len - cfg.num_image_tokens
+        if text_len < 2:
+            raise ValueError(f"seq_len {seq_len} leaves no text after {cfg.num_image_tokens} image tokens")
+        # Zeros: what is saved depends on shapes only, and the caller's random stream stays untouched.
+        pixels = torch.zeros(mbs, 3, cfg.image_size, cfg.image_size, device=device)
+        ids = torch.zeros(mbs, text_len, dtype=torch.long, device=device)
+        return model(pixels, ids, labels=ids).loss
+
+    return ModelProbe(run, cfg.max_positions, cfg.max_positions)
+
+
+def _submodule(model: nn.Module, *paths: str) -> nn.Module | None:
+    for path in paths:
+        with contextlib.suppress(AttributeError):
+            return model.get_submodule(path)
+    return None
+
+
+def _llava_probe(model: nn.Module, vision: nn.Module, projector: nn.Module, lm: nn.Module) -> ModelProbe:
+    cfg = model.config
+    layer = cfg.vision_feature_layer
+    head = getattr(model, "lm_head", None)
+
+    def run(mbs: int, seq_len: int) -> Any:
+        param = _first_param(model)
+        size = cfg.vision_config.image_size
+        pixels = torch.zeros(mbs, 3, size, size, device=param.device, dtype=param.dtype)
+        states = vision(pixels, output_hidden_states=True).hidden_states
+        feats = torch.cat([states[i] for i in layer], -1) if isinstance(layer, (list, tuple)) else states[layer]
+        if getattr(cfg, "vision_feature_select_strategy", "default") == "default":
+            feats = feats[:, 1:]  # drop CLS, as LLaVA does
+        image = projector(feats)
+        text_len = seq_len - image.shape[1]
+        if text_len < 2:
+            raise ValueError(f"seq_len {seq_len} leaves no text after {image.shape[1]} image tokens")
+        ids = torch.zeros(mbs, text_len, dtype=torch.long, device=param.device)
+        text = lm.get_input_embeddings()(ids)
+        out = lm(inputs_embeds=torch.cat([image.to(text.dtype), text], 1))
+        logits = out.logits if hasattr(out, "logits") else head(out[0])
+        return _lm_loss(logits)
+
+    return ModelProbe(run, DEFAULT_HF_SEQ_LEN, _max_positions(cfg.text_config))
+
+
+def _max_positions(cfg: Any) -> int | None:
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def _causal_lm_probe(model: nn.Module) -> ModelProbe:
+    limit = _max_positions(model.config)
+
+    def run(mbs: int, seq_len: int) -> Any:
+        ids = torch.zeros(mbs, seq_len, dtype=torch.long, device=_first_param(model).device)
+        return _lm_loss(model(input_ids=ids).logits)
+
+    return ModelProbe(run, min(limit or DEFAULT_HF_SEQ_LEN, DEFAULT_HF_SEQ_LEN), limit)
+
+
+def default_activation_probe(model: nn.Module) -> ModelProbe | None:
+    """A probe for the models vlmfast knows: its tiny VLM, LLaVA-style and causal-LM Hugging Face models.
+
+    Usage: ``probe = default_activation_probe(model)`` (None for other models: pass ``activation_probe``)
+    """
+    from vlmfast.models.tiny_vlm import TinyVLM
+
+    if isinstance(model, TinyVLM):
+        return _tiny_vlm_probe(model)
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "get_input_embeddings"):
+        return None
+    if hasattr(cfg, "vision_config") and hasattr(cfg, "vision_feature_layer"):
+        vision = _submodule(model, "model.vision_tower", "vision_tower")
+        projector = _submodule(model, "model.multi_modal_projector", "multi_modal_projector")
+        lm = _submodule(model, "model.language_model", "language_model")
+        if vision is not None and projector is not None and lm is not None:
+            return _llava_probe(model, vision, projector, lm)
+        return None
+    return _causal_lm_probe(model) if hasattr(model, "lm_head") else None
+
+
+def _batch_probe(model: nn.Module, batch: Any) -> Callable[[int], Any]:
+    """A probe from one example batch: its first rows (repeated if needed) run through ``model``."""
+    rows = next(iter(_tensors_in(batch)), None)
+    if rows is None or rows.dim() == 0:
+        raise ValueError("activation_probe: a batch needs at least one tensor with a batch dimension")
+    n = rows.shape[0]
+
+    def take(value: Any, mbs: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
+            return value.repeat(math.ceil(mbs / n), *([1] * (value.dim() - 1)))[:mbs]
+        if isinstance(value, dict):
+            return {k: take(v, mbs) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(take(v, mbs) for v in value)
+        return value
+
+    def run(mbs: int) -> Any:
+        part = take(batch, mbs)
+        if isinstance(part, dict):
+            return model(**part)
+        return model(*part) if isinstance(part, (list, tuple)) else model(part)
+
+    return run
+
+
+def _accepts_seq_len(probe: Callable[..., Any]) -> bool:
+    if isinstance(probe, ModelProbe):
+        return True
+    try:
+        return "seq_len" in inspect.signature(probe).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fused attention for meta-device probes
+
+_PROBE_ATTENTION = "vlmfast_fused_probe"
+
+
+def _fused_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+    """Attention that saves what CUDA's flash / memory-efficient SDPA kernels save (q, k, v, out, logsumexp).
+
+    On the meta device SDPA falls back to the math kernel, which keeps the L x L scores: an estimate built on it
+    would charge a GPU run for memory its fused kernels never use.
+    """
+    if key.shape[1] != query.shape[1]:  # grouped-query attention, expanded as Hugging Face's SDPA path does
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    causal = bool(getattr(module, "is_causal", False)) if is_causal is None else is_causal
+    out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout, causal, False, scale=scaling)
+    return out[0].transpose(1, 2).contiguous(), None
+
+
+def _register_probe_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_PROBE_ATTENTION, _fused_attention)
+    return _PROBE_ATTENTION

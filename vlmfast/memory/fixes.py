@@ -1,0 +1,140 @@
+"""The cheapest spec changes that make an estimate fit, in the reference guide's order.
+
+Usage: ``plan = est.plan_fixes(24); plan.changes, plan.estimate.fits(24)`` (or ``est.cheapest_fixes(24)``)
+
+A smaller micro-batch first (gradient accumulation keeps the effective batch), then activation checkpointing,
+mixed precision, freezing the vision tower, ZeRO-2, ZeRO-3, optimizer offload and parameter offload, each kept
+only if it saves memory, until the estimate fits; then the largest micro-batch that still fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vlmfast.memory.estimator import MemoryEstimate
+
+__all__ = ["FIX_STEPS", "SPEC_KEYS", "FixPlan"]
+
+# The spec fields the fixes name; deepspeed.* is not in TrainSpec yet (DESIGN.md lists the section).
+SPEC_KEYS = {
+    "micro_batch_size": "micro_batch_size",
+    "checkpointing": "activation_checkpointing.enabled",
+    "precision": "precision",
+    "freeze": "optimizer.freeze",
+    "zero_stage": "deepspeed.zero_stage",
+    "offload_optimizer": "deepspeed.offload_optimizer",
+    "offload_params": "deepspeed.offload_param",
+}
+
+
+@dataclass
+class FixPlan:
+    """The cheapest cumulative spec changes and the estimate with all of them applied.
+
+    Usage: ``plan = est.plan_fixes(24); plan.changes, plan.estimate.fits(24)``
+    """
+
+    changes: list[str]
+    estimate: MemoryEstimate
+    fits: bool
+
+
+_Step = Callable[["MemoryEstimate"], tuple[str, dict[str, Any]] | None]
+
+
+def _fix_checkpointing(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+    if est.options.checkpoint_scope is not None:
+        return None
+    return f"{SPEC_KEYS['checkpointing']}: true", {"activation_checkpointing": True}
+
+
+def _fix_precision(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+    if est.options.precision != "fp32":
+        return None
+    return f"{SPEC_KEYS['precision']}: bf16", {"precision": "bf16"}
+
+
+def _fix_freeze_vision(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+    vision = next((c for c in est.components if c.name == "vision_tower" and c.trainable), None)
+    if vision is None:
+        return None
+    roots = list(vision.roots) or ["vision_tower"]
+    return f"{SPEC_KEYS['freeze']}: [{', '.join(roots)}]", {"frozen": (*est.options.frozen, *roots)}
+
+
+def _fix_zero(stage: int) -> _Step:
+    def step(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+        n = est.options.world_size
+        if est.options.zero_stage >= stage or n == 1:  # on one GPU sharding saves nothing
+            return None
+        what = "optimizer states and gradients" if stage == 2 else "weights, gradients and optimizer states"
+        return f"{SPEC_KEYS['zero_stage']}: {stage} ({what} sharded over {n} GPUs)", {"zero_stage": stage}
+    return step
+
+
+def _fix_offload_optimizer(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+    if est.options.offload_optimizer:
+        return None
+    stage = max(est.options.zero_stage, 2)
+    text = f"{SPEC_KEYS['offload_optimizer']}: cpu (optimizer states in host RAM)"
+    if stage != est.options.zero_stage:
+        text = f"{SPEC_KEYS['zero_stage']}: {stage} + {text}"
+    return text, {"zero_stage": stage, "offload_optimizer": True}
+
+
+def _fix_offload_params(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+    if est.options.offload_params:
+        return None
+    text = f"{SPEC_KEYS['offload_params']}: cpu (weights in host RAM, gathered layer by layer)"
+    if est.options.zero_stage != 3:
+        text = f"{SPEC_KEYS['zero_stage']}: 3 + {text}"
+    return text, {"zero_stage": 3, "offload_optimizer": True, "offload_params": True}
+
+
+# The reference guide's order after the micro-batch: checkpointing, mixed precision, freezing, ZeRO / offload.
+FIX_STEPS: tuple[_Step, ...] = (
+    _fix_checkpointing, _fix_precision, _fix_freeze_vision, _fix_zero(2), _fix_zero(3),
+    _fix_offload_optimizer, _fix_offload_params,
+)
+
+
+def _largest_fitting_mbs(est: MemoryEstimate, gpu_gb: float, upper: int) -> tuple[int, MemoryEstimate]:
+    """The largest micro-batch in upper, upper/2, ..., 1 that fits, or 1 with its estimate."""
+    size = upper
+    while True:
+        candidate = est.reestimate(micro_batch_size=size)
+        if size == 1 or candidate.fits(gpu_gb):
+            return size, candidate
+        size = max(size // 2, 1)
+
+
+def _plan_fixes(est: MemoryEstimate, gpu_gb: float) -> FixPlan:
+    if est.fits(gpu_gb):
+        return FixPlan([], est, True)
+    original = est.options.micro_batch_size
+    # First the cheapest fix: a smaller micro-batch, the effective batch kept by gradient accumulation.
+    mbs, current = _largest_fitting_mbs(est, gpu_gb, max(original // 2, 1)) if original > 1 else (1, est)
+    changes: list[str] = []
+    for step in FIX_STEPS:
+        if current.fits(gpu_gb):
+            break
+        proposal = step(current)
+        if proposal is None:
+            continue
+        text, overrides = proposal
+        candidate = current.reestimate(**overrides)
+        if candidate.gpu_bytes < current.gpu_bytes:  # a change that saves nothing is not worth making
+            current = candidate
+            changes.append(text)
+    if original > 1:
+        # Later fixes may have freed room for a larger micro-batch than the first step settled on.
+        mbs, current = _largest_fitting_mbs(current, gpu_gb, original)
+        if mbs < original:
+            changes.insert(0, f"{SPEC_KEYS['micro_batch_size']}: {mbs} (was {original}; keep batch_size, gradient "
+                              "accumulation keeps the effective batch)")
+    current.gpu_memory_gb = gpu_gb  # the table of the plan's estimate judges against the GPU planned for
+    return FixPlan(changes, current, current.fits(gpu_gb))
+
