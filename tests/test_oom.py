@@ -205,3 +205,28 @@ def test_expandable_segments_is_set_before_cuda_starts(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     OOMFallback(OOMSpec(enabled=True, expandable_segments=True), micro_batch_size=8)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_cuda_oom_is_survived():
+    """Cap the process at a small memory fraction so micro-batch 64 of a wide model really runs out of memory."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, 3 * 2**30 / total))  # ~3 GiB for this process
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(4)])
+        data = torch.utils.data.TensorDataset(torch.randn(256, 64, 8192))
+
+        def loss_fn(model, batch):
+            return model(batch[0]).float().pow(2).mean()
+
+        train_spec = TrainSpec(max_steps=3, batch_size=64, micro_batch_size=64, device="cuda", precision="bf16",
+                               oom={"enabled": True}, log={"progress": "off"})
+        trainer = OptimizedTrainer(model, data, train_spec, loss_fn=loss_fn)
+        trainer.fit()
+        assert trainer.state.micro_batch_size < 64 and trainer.oom.events
+        assert torch.cuda.memory_stats()["num_ooms"] >= 1  # the allocator really failed, nothing simulated
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
