@@ -147,6 +147,44 @@ class MemorySpec(Section):
     timeline_plot: bool = Field(True, description="write memory_timeline.png to log.dir at the end of the run")
 
 
+class PowerSGDSpec(Section):
+    """PowerSGD gradient compression (low-rank), torch's powerSGD_hook settings."""
+
+    rank: int = Field(1, ge=1, description="matrix approximation rank: higher is more exact and sends more")
+    start_iter: int = Field(10, ge=2, description="plain all-reduce for this many steps first (>= 2: DDP rebuilds "
+                            "its buckets after step 1)")
+    warm_start: bool = Field(True, description="reuse last step's low-rank factors (faster convergence)")
+    error_feedback: bool = Field(True, description="carry the compression error to the next step")
+    min_compression_rate: float = Field(2.0, gt=0, description="compress a tensor only if it saves this factor")
+
+
+class DDPSpec(Section):
+    """DistributedDataParallel: bucketing, graph options and gradient-communication hooks."""
+
+    bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size for the overlapped all-reduce")
+    gradient_as_bucket_view: bool = Field(True, description="gradients are views into the buckets (saves a copy)")
+    static_graph: bool = Field(False, description="the graph is the same every step (enables extra optimisations)")
+    find_unused_parameters: bool = Field(
+        False, description="search the graph for parameters without gradient each step (slower; needed when a "
+        "trainable module is skipped in forward)"
+    )
+    broadcast_buffers: bool = Field(True, description="broadcast buffers (e.g. BatchNorm stats) from rank 0")
+    sync_each_micro_batch: bool = Field(
+        False, description="all-reduce after every micro-batch instead of only the last (less peak memory, more "
+        "communication)"
+    )
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd", "batched_powersgd"] = Field(
+        "none", description="gradient communication: fp16/bf16 compression or PowerSGD (bf16 needs NCCL)"
+    )
+    comm_wrapper: Literal["none", "fp16", "bf16"] = Field(
+        "none", description="with PowerSGD: also send the compressed factors in fp16/bf16"
+    )
+    powersgd: PowerSGDSpec = Field(default_factory=PowerSGDSpec)
+    timeout_minutes: float = Field(
+        10.0, gt=0, description="collective timeout: a rank that dies makes the others fail after this long"
+    )
+
+
 class DataSpec(Section):
     """DataLoader settings for the per-rank optimizer batch."""
 
@@ -211,6 +249,7 @@ class TrainSpec(Section):
     activation_checkpointing: ActivationCheckpointingSpec = Field(default_factory=ActivationCheckpointingSpec)
     oom: OOMSpec = Field(default_factory=OOMSpec)
     memory: MemorySpec = Field(default_factory=MemorySpec)
+    ddp: DDPSpec = Field(default_factory=DDPSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     save: SaveSpec = Field(default_factory=SaveSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
@@ -243,6 +282,9 @@ class TrainSpec(Section):
                 f"oom.min_micro_batch_size ({self.oom.min_micro_batch_size}) is above micro_batch_size "
                 f"({self.resolved_micro_batch_size}): lower oom.min_micro_batch_size"
             )
+        if self.ddp.comm_wrapper != "none" and "powersgd" not in self.ddp.comm_hook:
+            raise ValueError(f"ddp.comm_wrapper '{self.ddp.comm_wrapper}' wraps PowerSGD only: set ddp.comm_hook to "
+                             "powersgd or batched_powersgd, or use ddp.comm_hook: fp16/bf16 for plain compression")
         if self.log.tensorboard and self.log.dir is None:
             raise ValueError("log.tensorboard needs log.dir: set log.dir to a folder")
         return self
