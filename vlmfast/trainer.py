@@ -29,6 +29,8 @@ from vlmfast.callbacks import Callback
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device, split_batch
 from vlmfast.data.loader import ResumableLoader
+from vlmfast.distributed.ddp import explain_ddp_error, wrap_ddp
+from vlmfast.distributed.process_group import init_distributed
 from vlmfast.interrupt import InterruptGuard
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size
@@ -102,8 +104,9 @@ class OptimizedTrainer:
     ) -> None:
         self.spec = _as_spec(spec)
         check_environment(self.spec)  # fail before any work
+        env = init_distributed(self.spec.ddp.timeout_minutes)  # before the device: binds this rank to its GPU
+        self.rank, self.world_size = env.rank, env.world_size
         self.device = resolve_device(self.spec.device)
-        self.rank, self.world_size = _distributed_rank_and_size()
         seed_everything(self.spec.seed)
         self.callbacks = list(callbacks)
         self.collate_fn = collate_fn
@@ -131,6 +134,8 @@ class OptimizedTrainer:
         model = model.to(self.device)
         for strategy in self.strategies:
             model = strategy.apply(model)
+        if self.world_size > 1:  # last: strategies change the plain model, DDP wraps the result
+            model = wrap_ddp(model, self.spec.ddp, self.device)
         self.model = model
         # DDP + OOM fallback: DDP's in-backward all-reduce would strand a peer whose rank hit the OOM, so gradients
         # stay local (no_sync) until all ranks agree the step finished, then are averaged by hand.
@@ -193,6 +198,8 @@ class OptimizedTrainer:
             if guard.requested:
                 metrics_logger.write(f"{guard.requested} received: saving a final checkpoint and stopping")
             result.checkpoint = self._save_if_configured(final=True) or result.checkpoint
+            if self.world_size > 1:  # nobody leaves before rank 0's checkpoint is on disk and DDP work is done
+                torch.distributed.barrier()
             if self.eval_data is not None and not guard.requested:
                 result.eval_loss = self._record_eval(result)
             result.report = self._build_report(history, time.perf_counter() - start)
@@ -248,16 +255,26 @@ class OptimizedTrainer:
         total = torch.zeros((), device=self.device)
         scale = self.accumulation.backward_scale()
         last = len(plan.micro_batches) - 1
+        sync_each = self.spec.ddp.sync_each_micro_batch
         for index, micro_batch in enumerate(plan.micro_batches):
             micro_batch = move_to_device(micro_batch, self.device)
-            with sync_context(self.model, index == last and not self._manual_grad_sync), self._forward_context():
-                share = self.accumulation.micro_batch_loss(self.model, micro_batch, plan, index)
-            self.precision.backward(share * scale if scale != 1.0 else share)
+            sync = (index == last or sync_each) and not self._manual_grad_sync
+            try:
+                with sync_context(self.model, sync), self._forward_context():
+                    share = self.accumulation.micro_batch_loss(self.model, micro_batch, plan, index)
+                self.precision.backward(share * scale if scale != 1.0 else share)
+            except RuntimeError as exc:
+                explained = explain_ddp_error(exc) if self.world_size > 1 else exc
+                if explained is not exc:
+                    raise explained from exc
+                raise
             total += share.detach().float()
         return total
 
     def _apply_update(self, plan: AccumulationPlan, loss: torch.Tensor) -> tuple[float, float | None, bool]:
         """Unscale, correct, clip, check for NaN/Inf, step. The only place the optimizer steps."""
+        if self.world_size > 1:  # each rank holds its share of the global loss; after the OOM-retry region, so
+            torch.distributed.all_reduce(loss)  # every rank reaches this collective exactly once per step
         self.precision.unscale_gradients(self.optimizer)
         factor = self.accumulation.correction(plan)
         if factor != 1.0:
@@ -470,12 +487,6 @@ def _as_spec(spec: TrainSpec | dict[str, Any] | str | Path) -> TrainSpec:
     if isinstance(spec, (str, Path)):
         return TrainSpec.from_file(spec)
     return TrainSpec.model_validate(spec)
-
-
-def _distributed_rank_and_size() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -42,7 +42,9 @@ class EpochSampler(Sampler[int]):
         else:
             order = list(range(self.num_samples))
         per_rank = self.num_samples // self.world_size  # equal shards: no rank waits on another at epoch end
-        return order[self.rank * per_rank:(self.rank + 1) * per_rank]
+        # Strided (as DistributedSampler): step k's batches over all ranks are exactly the samples one process
+        # with world_size x batch_size would take at step k, so a DDP run matches a single-process run.
+        return order[self.rank::self.world_size][:per_rank]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices()[self.start:])

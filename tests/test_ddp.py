@@ -1,0 +1,108 @@
+"""DDP on 2 CPU processes (gloo): the same training as one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+from conftest import TinyCausalLM, TokenDataset
+
+from vlmfast import OptimizedTrainer, TrainSpec
+
+
+def spec(batch_size, micro_batch_size, **overrides):
+    base = {"max_steps": 6, "batch_size": batch_size, "micro_batch_size": micro_batch_size,
+            "optimizer": {"lr": 1e-2}, "log": {"progress": "off"}}
+    base.update(overrides)
+    return TrainSpec(**base)
+
+
+def params(model):
+    return {n: p.detach().clone() for n, p in getattr(model, "module", model).named_parameters()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: str, overrides: dict, model_kind: str) -> None:
+    # What torchrun sets: the trainer must find the process group from these alone.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        torch.manual_seed(0)
+        model = UnusedHead() if model_kind == "unused" else TinyCausalLM()
+        trainer = OptimizedTrainer(model, TokenDataset(64), spec(4, 2, **overrides))
+        try:
+            result = trainer.fit()
+        except RuntimeError as exc:
+            torch.save({"error": str(exc)}, f"{out}.{rank}")
+            return
+        torch.save({"params": params(trainer.model), "losses": [m["loss"] for m in result.history],
+                    "ddp": type(trainer.model).__name__}, f"{out}.{rank}")
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_two_ranks(tmp_path, name, overrides=None, model_kind="tiny"):
+    out = str(tmp_path / name)
+    torch.multiprocessing.spawn(_worker, args=(_free_port(), out, overrides or {}, model_kind), nprocs=2)
+    return [torch.load(f"{out}.{rank}") for rank in range(2)]
+
+
+def single_process(micro_batch_size=4):
+    torch.manual_seed(0)
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), spec(8, micro_batch_size))
+    result = trainer.fit()
+    return params(trainer.model), [m["loss"] for m in result.history]
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path):
+    ranks = run_two_ranks(tmp_path, "ddp")
+    reference_params, reference_losses = single_process()
+    assert [r["ddp"] for r in ranks] == ["DistributedDataParallel"] * 2  # wrapped by the trainer itself
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(reference_losses, rel=1e-5)  # the logged loss is the global one
+        for name, value in reference_params.items():
+            torch.testing.assert_close(rank["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_sync_each_micro_batch_gives_the_same_result(tmp_path):
+    ranks = run_two_ranks(tmp_path, "sync", {"ddp": {"sync_each_micro_batch": True}})
+    reference_params, _ = single_process()
+    for name, value in reference_params.items():
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+class UnusedHead(TinyCausalLM):
+    """A trainable module that forward never uses: DDP without find_unused_parameters waits for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(4, 4)
+
+
+@pytest.mark.timeout(180)
+def test_unused_trainable_module_gets_the_fix_in_the_error(tmp_path):
+    ranks = run_two_ranks(tmp_path, "unused", model_kind="unused")
+    assert all("ddp.find_unused_parameters: true" in r.get("error", "") for r in ranks), ranks[0]
+    fixed = run_two_ranks(tmp_path, "fixed", {"ddp": {"find_unused_parameters": True}}, model_kind="unused")
+    assert all("params" in r for r in fixed)
+
+
+@pytest.mark.timeout(180)
+def test_only_rank_zero_writes_metrics_and_checkpoints(tmp_path):
+    overrides = {"log": {"progress": "off", "dir": str(tmp_path / "logs")},
+                 "save": {"dir": str(tmp_path / "ckpt"), "every_steps": 3}}
+    run_two_ranks(tmp_path, "io", overrides)
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))  # once, not twice
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000003", "step_00000006"]
