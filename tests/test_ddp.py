@@ -106,3 +106,29 @@ def test_only_rank_zero_writes_metrics_and_checkpoints(tmp_path):
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))  # once, not twice
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000003", "step_00000006"]
+
+
+def test_nccl_presets_set_only_what_is_unset(monkeypatch):
+    from vlmfast.distributed import apply_nccl_presets
+
+    for key in ("NCCL_IB_DISABLE", "NCCL_NET_GDR_LEVEL", "NCCL_P2P_LEVEL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NCCL_NET_GDR_LEVEL", "2")  # the user's own setting wins
+    applied = apply_nccl_presets(["infiniband", "nvlink"])
+    assert applied == {"NCCL_IB_DISABLE": "0", "NCCL_P2P_LEVEL": "NVL"}
+    assert os.environ["NCCL_NET_GDR_LEVEL"] == "2"
+    with pytest.raises(ValueError, match="nccl_presets"):
+        TrainSpec(ddp={"nccl_presets": ["fast"]})
+
+
+def test_environment_without_launcher_is_a_single_process(monkeypatch):
+    from vlmfast.distributed import distributed_env
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    env = distributed_env()
+    assert (env.rank, env.world_size, env.is_main, env.launcher) == (0, 1, True, "none")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert (distributed_env().rank, distributed_env().world_size, distributed_env().launcher) == (3, 4, "torchrun")

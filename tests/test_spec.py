@@ -83,3 +83,9 @@ def test_schema_is_json_serialisable():
     schema = TrainSpec.model_json_schema()
     assert {"batch_size", "micro_batch_size", "precision", "optimizer", "save"} <= set(schema["properties"])
     json.dumps(schema)
+
+
+def test_yaml_on_off_reads_as_words(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("log:\n  progress: off\n")  # YAML 1.1 makes this False
+    assert TrainSpec.from_file(path).log.progress == "off"

@@ -146,13 +146,17 @@ def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:
 
 def _cmd_find_batch_size(args: argparse.Namespace) -> int:
     trainer, _ = _build_trainer(args)
-    print(trainer.find_micro_batch_size(safety_margin=args.margin).to_text())
+    search = trainer.find_micro_batch_size(safety_margin=args.margin)
+    if trainer.is_main_process:
+        print(search.to_text())
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     trainer, baseline = _build_trainer(args)
     result = trainer.fit()
+    if not trainer.is_main_process:  # one copy of every message
+        return 130 if result.interrupted else 0
     if result.interrupted:
         print(f"interrupted by {result.interrupted}; checkpoint: {result.checkpoint}", file=sys.stderr)
         return 130

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -183,6 +183,10 @@ class DDPSpec(Section):
     timeout_minutes: float = Field(
         10.0, gt=0, description="collective timeout: a rank that dies makes the others fail after this long"
     )
+    nccl_presets: list[Literal["async_errors", "infiniband", "nvlink", "small_buffers"]] = Field(
+        default_factory=list, description="NCCL environment presets applied before the process group starts "
+        "(never overriding variables already set); see docs/distributed.md"
+    )
 
 
 class DataSpec(Section):
@@ -225,6 +229,12 @@ class LogSpec(Section):
     )
     tensorboard: bool = Field(False, description="also write TensorBoard events to dir (needs tensorboard)")
     progress: Literal["auto", "on", "off"] = Field("auto", description="progress bar; auto: only on a terminal")
+
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean: `progress: off` must still mean "off".
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class TrainSpec(Section):

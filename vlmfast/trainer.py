@@ -30,7 +30,7 @@ from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device, split_batch
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.distributed.ddp import explain_ddp_error, wrap_ddp
-from vlmfast.distributed.process_group import init_distributed
+from vlmfast.distributed.process_group import apply_nccl_presets, init_distributed
 from vlmfast.interrupt import InterruptGuard
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size
@@ -104,6 +104,7 @@ class OptimizedTrainer:
     ) -> None:
         self.spec = _as_spec(spec)
         check_environment(self.spec)  # fail before any work
+        apply_nccl_presets(self.spec.ddp.nccl_presets)  # NCCL reads its environment when the group starts
         env = init_distributed(self.spec.ddp.timeout_minutes)  # before the device: binds this rank to its GPU
         self.rank, self.world_size = env.rank, env.world_size
         self.device = resolve_device(self.spec.device)

@@ -54,6 +54,25 @@ def _launcher() -> str:
     return "env" if "WORLD_SIZE" in os.environ else "none"
 
 
+# From the reference guide's NCCL tuning, one preset per purpose (docs/distributed.md says when each helps).
+NCCL_PRESETS: dict[str, dict[str, str]] = {
+    "async_errors": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},  # a failed collective raises instead of hanging
+    "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "5"},  # multi-node: InfiniBand + GPUDirect RDMA
+    "nvlink": {"NCCL_P2P_LEVEL": "NVL"},  # peer-to-peer only over NVLink
+    "small_buffers": {"NCCL_BUFFSIZE": "2097152"},  # 2 MiB per channel (NCCL's default is 4 MiB): less memory
+}
+
+
+def apply_nccl_presets(names: list[str]) -> dict[str, str]:
+    """Set the presets' NCCL variables that are not already set; returns what was set."""
+    applied = {}
+    for name in names:
+        for key, value in NCCL_PRESETS[name].items():
+            if key not in os.environ:
+                os.environ[key] = applied[key] = value
+    return applied
+
+
 def init_distributed(timeout_minutes: float = 10.0, backend: str | None = None) -> DistributedEnv:
     """Initialise the default process group when the environment says we are one of several processes."""
     env = distributed_env()
