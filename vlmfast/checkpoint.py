@@ -102,3 +102,36 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if not file.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: expected a folder with {STATE_FILE}")
     return torch.load(file, map_location=map_location, weights_only=True)
+
+
+def resume_path(resume: str, directory: str | Path | None) -> Path | None:
+    """The checkpoint `save.resume` asks for: 'auto' (newest in `directory`, if any), 'never', or a path."""
+    from vlmfast.spec import SpecError
+
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(directory) if directory else None
+    path = Path(resume)
+    if not path.exists():
+        raise SpecError(f"save.resume: checkpoint {path} does not exist; use 'auto', 'never' or a path")
+    return path
+
+
+def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """Refuse to continue a run whose spec changed in a field that would silently mix two trainings."""
+    from vlmfast.spec import SpecError
+
+    for dotted in fields:
+        old, new = _get_dotted(saved, dotted), _get_dotted(current, dotted)
+        if old != new:
+            raise SpecError(
+                f"cannot resume: the checkpoint was written with {dotted}={old!r} but the spec now says {new!r}. "
+                f"Restore {dotted}, or start a fresh run (save.resume: never, or another save.dir)."
+            )
+
+
+def _get_dotted(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data

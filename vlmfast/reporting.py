@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,28 @@ class RunReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return asdict(self)
+
+    def write_json(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def from_history(
+        cls, history: list[dict[str, Any]], wall_time: float, *, world_size: int, **fields: Any
+    ) -> RunReport:
+        """Summarise per-step metrics: throughput over all ranks, step-time percentiles, data-wait share."""
+        times = sorted(m["step_time"] for m in history) or [0.0]
+        total_time = sum(times) or 1.0
+        return cls(
+            steps=len(history), wall_time_s=wall_time,
+            samples_per_s=sum(m["samples"] for m in history) * world_size / total_time,
+            tokens_per_s=sum(m["tokens"] for m in history) * world_size / total_time,
+            step_time_p50_s=_percentile(times, 0.5), step_time_p90_s=_percentile(times, 0.9),
+            data_wait_ratio=sum(m["data_time"] for m in history) / total_time,
+            first_loss=history[0]["loss"] if history else None,
+            final_loss=history[-1]["loss"] if history else None, **fields,
+        )
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]

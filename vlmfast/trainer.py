@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +26,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from vlmfast.callbacks import Callback
-from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmfast.checkpoint import (
+    check_resume_compatible,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_path,
+    save_checkpoint,
+)
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device, split_batch
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.distributed.ddp import explain_ddp_error, wrap_ddp
@@ -37,7 +43,7 @@ from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size
 from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.reporting import MetricsLogger, RunReport
-from vlmfast.spec import SpecError, TrainSpec, check_environment
+from vlmfast.spec import TrainSpec, check_environment
 from vlmfast.strategies.accumulation import (
     AccumulationPlan,
     GradientAccumulation,
@@ -401,7 +407,7 @@ class OptimizedTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (refuses a checkpoint of a different run; see RESUME_INVARIANTS)."""
-        _check_resume_compatible(state["spec"], self.spec.to_dict())
+        check_resume_compatible(state["spec"], self.spec.to_dict(), RESUME_INVARIANTS)
         _unwrap(self.model).load_state_dict(state["model"])
         for strategy in self.strategies:
             strategy.load_state_dict(state["strategies"].get(strategy.name, {}))
@@ -432,18 +438,9 @@ class OptimizedTrainer:
         return self.save()
 
     def _maybe_resume(self) -> Path | None:
-        resume = self.spec.save.resume
-        if resume == "never":
-            return None
-        if resume == "auto":
-            path = latest_checkpoint(self.spec.save.dir) if self.spec.save.dir else None
-        else:
-            path = Path(resume)
-            if not path.exists():
-                raise SpecError(f"save.resume: checkpoint {path} does not exist; use 'auto', 'never' or a path")
-        if path is None:
-            return None
-        self.load_state_dict(load_checkpoint(path, map_location=self.device))
+        path = resume_path(self.spec.save.resume, self.spec.save.dir)
+        if path is not None:
+            self.load_state_dict(load_checkpoint(path, map_location=self.device))
         return path
 
     # ---- reporting ------------------------------------------------------------------------------------------
@@ -456,24 +453,15 @@ class OptimizedTrainer:
         return out
 
     def _build_report(self, history: list[dict[str, Any]], wall_time: float) -> RunReport:
-        times = sorted(m["step_time"] for m in history) or [0.0]
-        total_time = sum(times) or 1.0
-        return RunReport(
-            steps=len(history), wall_time_s=wall_time,
-            samples_per_s=sum(m["samples"] for m in history) * self.world_size / total_time,
-            tokens_per_s=sum(m["tokens"] for m in history) * self.world_size / total_time,
-            step_time_p50_s=_percentile(times, 0.5), step_time_p90_s=_percentile(times, 0.9),
-            data_wait_ratio=sum(m["data_time"] for m in history) / total_time,
-            peak_memory_gb=peak_memory_gb(self.device), device=self.device.type,
-            first_loss=history[0]["loss"] if history else None, final_loss=history[-1]["loss"] if history else None,
-            skipped_steps=self.state.skipped_steps, strategies=[s.describe() for s in self.strategies],
+        return RunReport.from_history(
+            history, wall_time, world_size=self.world_size, peak_memory_gb=peak_memory_gb(self.device),
+            device=self.device.type, skipped_steps=self.state.skipped_steps,
+            strategies=[s.describe() for s in self.strategies],
         )
 
     def _write_report(self, report: RunReport) -> None:
         if self.spec.log.dir is not None:
-            import json
-
-            (Path(self.spec.log.dir) / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
+            report.write_json(Path(self.spec.log.dir) / "report.json")
 
     def _fire(self, event: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -494,26 +482,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def _check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    for dotted in RESUME_INVARIANTS:
-        old, new = _get_dotted(saved, dotted), _get_dotted(current, dotted)
-        if old != new:
-            raise SpecError(
-                f"cannot resume: the checkpoint was written with {dotted}={old!r} but the spec now says {new!r}. "
-                f"Restore {dotted}, or start a fresh run (save.resume: never, or another save.dir)."
-            )
-
-
-def _get_dotted(data: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        data = data.get(part) if isinstance(data, dict) else None
-    return data
-
-
 def _finite(value: float) -> bool:
     return value == value and value not in (float("inf"), float("-inf"))
 
-
-def _percentile(sorted_values: Iterable[float], q: float) -> float:
-    values = list(sorted_values)
-    return values[min(len(values) - 1, int(q * len(values)))]
