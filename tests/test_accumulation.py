@@ -143,3 +143,26 @@ def test_hugging_face_llava_gradient_equals_full_batch(micro_batch_size):
     actual, loss = accumulated_gradient(model, batch, micro_batch_size)
     assert_grads_close(actual, expected)
     assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_a_micro_batch_without_loss_tokens_does_not_poison_the_step(tiny_lm):
+    """An image-and-prompt-only sample (all labels -100) alone in a micro-batch: its mean loss is NaN."""
+    from vlmfast.strategies.accumulation import GradientAccumulation
+
+    batch = token_batch(batch_size=4)
+    batch["labels"][1] = -100
+    expected, expected_loss = full_batch_gradient(tiny_lm, batch)
+    accumulation = GradientAccumulation(1)
+    accumulation.apply(tiny_lm)
+    plan = accumulation.plan(batch)
+    assert plan.items[0] == 0 and accumulation.skippable(plan, 0)  # ordered first, so the last one has tokens
+
+    from vlmfast import OptimizedTrainer, TrainSpec
+
+    data = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+    trainer = OptimizedTrainer(tiny_lm, data, TrainSpec(batch_size=4, micro_batch_size=1, log={"progress": "off"}))
+    trainer.optimizer.zero_grad()
+    plan, loss = trainer._forward_backward(batch, 1)
+    actual = {n: p.grad.clone() for n, p in tiny_lm.named_parameters() if p.grad is not None}
+    assert_grads_close(actual, expected)
+    assert float(loss) == pytest.approx(expected_loss, rel=1e-5)

@@ -51,3 +51,17 @@ def test_sigkill_during_a_write_leaves_the_previous_checkpoint_intact(tmp_path):
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         load_checkpoint(tmp_path / "step_00000009")
+
+
+def test_a_corrupt_checkpoint_is_named_when_resuming(tmp_path):
+    from conftest import TinyCausalLM, TokenDataset
+
+    from vlmfast import OptimizedTrainer, SpecError, TrainSpec
+
+    broken = tmp_path / "step_00000004"
+    broken.mkdir()
+    (broken / "state.pt").write_bytes(b"not a checkpoint")
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(16), TrainSpec(batch_size=4, save={"dir": str(tmp_path)},
+                                                                           log={"progress": "off"}))
+    with pytest.raises(SpecError, match="cannot resume from .*step_00000004"):
+        trainer.fit()

@@ -39,3 +39,18 @@ def test_find_batch_size_command_prints_a_valid_recommendation(capsys):
     assert "largest micro-batch that fits: 8" in out
     recommended = int(out.split("micro_batch_size: ")[1].split()[0])
     assert TrainSpec(batch_size=8, micro_batch_size=recommended)  # the spec accepts it
+
+
+def test_bad_overrides_and_tasks_fail_in_one_line(capsys):
+    assert main(["train", "--set", "max_steps.x=1"]) == 2  # max_steps holds a value in the demo spec
+    assert "'max_steps' is a value, not a section" in capsys.readouterr().err
+    assert main(["train", "--task", "no_such_module:build"]) == 2
+    assert "--task 'no_such_module:build': cannot load it" in capsys.readouterr().err
+
+
+def test_planned_sections_say_they_are_not_there_yet():
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="'deepspeed' is part of the vlmfast spec but not implemented"):
+        TrainSpec(deepspeed={"zero_stage": 2})

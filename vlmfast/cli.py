@@ -119,9 +119,14 @@ def build_spec(config: str | None, overrides: list[str]) -> Any:
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    from vlmfast.spec import SpecError
+
     *parents, leaf = dotted.split(".")
-    for part in parents:
+    for depth, part in enumerate(parents):
         data = data.setdefault(part, {})
+        if not isinstance(data, dict):
+            where = ".".join(parents[: depth + 1])
+            raise SpecError(f"--set {dotted}: '{where}' is a value, not a section; use --set {where}=VALUE")
     data[leaf] = value
 
 
@@ -129,7 +134,10 @@ def _load_task(target: str) -> Callable[..., Any]:
     module_name, _, attr = target.partition(":")
     if not attr:
         raise ValueError(f"--task {target!r}: expected module:function, e.g. {DEFAULT_TASK}")
-    return getattr(importlib.import_module(module_name), attr)
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--task {target!r}: cannot load it ({exc}); is the module on PYTHONPATH?") from exc
 
 
 def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:

@@ -43,7 +43,7 @@ from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size
 from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.reporting import MetricsLogger, RunReport
-from vlmfast.spec import TrainSpec, check_environment
+from vlmfast.spec import SpecError, TrainSpec, check_environment
 from vlmfast.strategies.accumulation import (
     AccumulationPlan,
     GradientAccumulation,
@@ -114,11 +114,13 @@ class OptimizedTrainer:
         env = init_distributed(self.spec.ddp.timeout_minutes)  # before the device: binds this rank to its GPU
         self.rank, self.world_size = env.rank, env.world_size
         self.device = resolve_device(self.spec.device)
-        seed_everything(self.spec.seed)
+        seed_everything(self.spec.seed + self.rank)  # DDP syncs weights from rank 0; dropout should differ
         self.callbacks = list(callbacks)
         self.collate_fn = collate_fn
         self.eval_data = eval_data
-        self.should_stop = False
+        self.should_stop = False  # a callback may set it; the run ends after the current step
+        self._interrupt: str | None = None  # a signal received here (set by fit)
+        self._stop_agreed = False  # under DDP: some rank wants to stop (agreed inside the step's all-reduce)
         mbs = self.spec.resolved_micro_batch_size
         self.state = TrainState(micro_batch_size=mbs, accumulation_steps=self.spec.batch_size // mbs)
 
@@ -147,6 +149,9 @@ class OptimizedTrainer:
         # DDP + OOM fallback: DDP's in-backward all-reduce would strand a peer whose rank hit the OOM, so gradients
         # stay local (no_sync) until all ranks agree the step finished, then are averaged by hand.
         self._manual_grad_sync = self.oom is not None and self.world_size > 1 and hasattr(model, "no_sync")
+        if self._manual_grad_sync and self.spec.ddp.comm_hook != "none":
+            log.warning("ddp.comm_hook %s does not apply with oom.enabled on several ranks: gradients are averaged "
+                        "by vlmfast after all ranks agree (see docs/oom.md)", self.spec.ddp.comm_hook)
         self._context_strategies = [s for s in self.strategies
                                     if type(s).forward_context is not Strategy.forward_context]
 
@@ -190,7 +195,7 @@ class OptimizedTrainer:
             if resumed_from is not None:
                 metrics_logger.write(f"resumed from {resumed_from} at step {self.state.step}")
             tick = time.perf_counter()
-            while self.state.step < self.spec.max_steps and not self.should_stop and not guard.requested:
+            while self.state.step < self.spec.max_steps and not self._should_stop(guard):
                 batch = next(self.loader)
                 data_time = time.perf_counter() - tick
                 metrics = self.train_step(batch)
@@ -201,13 +206,14 @@ class OptimizedTrainer:
                 metrics_logger.log_step(metrics)
                 self._fire("on_step_end", metrics)
                 self._periodic_eval_and_save(result)
-            result.interrupted = guard.requested
-            if guard.requested:
-                metrics_logger.write(f"{guard.requested} received: saving a final checkpoint and stopping")
+            interrupted = guard.requested or (self._stop_agreed and not self.should_stop and "a signal on another rank")
+            result.interrupted = interrupted or None
+            if interrupted:
+                metrics_logger.write(f"{interrupted} received: saving a final checkpoint and stopping")
             result.checkpoint = self._save_if_configured(final=True) or result.checkpoint
             if self.world_size > 1:  # nobody leaves before rank 0's checkpoint is on disk and DDP work is done
                 torch.distributed.barrier()
-            if self.eval_data is not None and not guard.requested:
+            if self.eval_data is not None and not result.interrupted:
                 result.eval_loss = self._record_eval(result)
             result.report = self._build_report(history, time.perf_counter() - start)
             if self.is_main_process:
@@ -241,7 +247,7 @@ class OptimizedTrainer:
             return self._forward_backward(batch, self.accumulation.micro_batch_size)
         result = self.oom.run(lambda mbs: self._forward_backward(batch, mbs), cleanup=self._discard_gradients)
         if self._manual_grad_sync:
-            all_reduce_gradients(self.optimization.trainable, self.world_size)
+            all_reduce_gradients(self.optimization.trainable, self.world_size, self.spec.ddp.bucket_cap_mb)
         return result
 
     def _forward_backward(self, batch: Any, micro_batch_size: int) -> tuple[AccumulationPlan, torch.Tensor]:
@@ -264,6 +270,8 @@ class OptimizedTrainer:
         last = len(plan.micro_batches) - 1
         sync_each = self.spec.ddp.sync_each_micro_batch
         for index, micro_batch in enumerate(plan.micro_batches):
+            if index != last and self.accumulation.skippable(plan, index):
+                continue
             micro_batch = move_to_device(micro_batch, self.device)
             sync = (index == last or sync_each) and not self._manual_grad_sync
             try:
@@ -280,8 +288,14 @@ class OptimizedTrainer:
 
     def _apply_update(self, plan: AccumulationPlan, loss: torch.Tensor) -> tuple[float, float | None, bool]:
         """Unscale, correct, clip, check for NaN/Inf, step. The only place the optimizer steps."""
-        if self.world_size > 1:  # each rank holds its share of the global loss; after the OOM-retry region, so
-            torch.distributed.all_reduce(loss)  # every rank reaches this collective exactly once per step
+        if self.world_size > 1:
+            # Each rank holds its share of the global loss. The same all-reduce carries "I want to stop" (a signal
+            # or a callback), so all ranks leave the loop at the same step. Outside the OOM-retry region: every rank
+            # reaches this collective exactly once per step.
+            wants_stop = float(bool(self.should_stop or self._interrupt))
+            summed = torch.stack([loss, torch.tensor(wants_stop, device=loss.device)])
+            torch.distributed.all_reduce(summed)
+            loss, self._stop_agreed = summed[0], bool(summed[1] > 0)
         self.precision.unscale_gradients(self.optimizer)
         factor = self.accumulation.correction(plan)
         if factor != 1.0:
@@ -294,6 +308,7 @@ class OptimizedTrainer:
         finite = _finite(loss_value) and (scaler_owns_grads or norm_value is None or _finite(norm_value))
         if not finite:
             self._handle_nonfinite(loss_value, norm_value)
+            self.precision.skip_step()
             self.optimizer.zero_grad(set_to_none=True)
             return loss_value, norm_value, False
         self.state.consecutive_skips = 0
@@ -317,6 +332,12 @@ class OptimizedTrainer:
             )
         log.warning("%s%s: step skipped (loss.on_nonfinite=skip)", message, where)
 
+    def _should_stop(self, guard: InterruptGuard) -> bool:
+        self._interrupt = guard.requested
+        if self.world_size > 1:  # only what all ranks agreed on at the last step: a local flag would desync them
+            return self._stop_agreed
+        return bool(self.should_stop or guard.requested)
+
     def _forward_context(self) -> AbstractContextManager[Any]:
         if len(self._context_strategies) == 1:
             return self._context_strategies[0].forward_context()
@@ -328,8 +349,11 @@ class OptimizedTrainer:
     # ---- batch-size search ----------------------------------------------------------------------------------
     def find_micro_batch_size(self, safety_margin: float = 0.9) -> BatchSizeSearch:
         """Largest micro-batch (up to batch_size) whose forward+backward+step fits; all state restored afterwards."""
-        snapshot = (copy.deepcopy(_unwrap(self.model).state_dict()), copy.deepcopy(self.optimizer.state_dict()),
+        # Snapshots on the host (copied: on CPU .to() aliases): a device copy would take the memory being measured.
+        snapshot = (copy.deepcopy(move_to_device(_unwrap(self.model).state_dict(), torch.device("cpu"))),
+                    copy.deepcopy(move_to_device(self.optimizer.state_dict(), torch.device("cpu"))),
                     rng_state(), self.loader.state_dict())
+        manual_sync, self._manual_grad_sync = self._manual_grad_sync, True  # no DDP all-reduce inside a probe
         batch = next(self.loader)
         was_training = self.model.training
         self.model.train()
@@ -351,6 +375,7 @@ class OptimizedTrainer:
             set_rng_state(snapshot[2])
             self.loader.load_state_dict(snapshot[3])
             self.accumulation.micro_batch_size = self.state.micro_batch_size
+            self._manual_grad_sync = manual_sync
             self.model.train(was_training)
 
     # ---- evaluation -----------------------------------------------------------------------------------------
@@ -373,8 +398,8 @@ class OptimizedTrainer:
                 with self._forward_context():
                     share = self.accumulation.micro_batch_loss(
                         self.model, move_to_device(micro_batch, self.device), plan, i)
-                loss_sum += share.float() * plan.divisor
-            items += plan.divisor / self.accumulation.correction(plan)
+                loss_sum += share.float() * plan.divisor  # this micro-batch's loss sum
+            items += self.accumulation.local_items(plan)  # every rank evaluates all data: count local items
         self.model.train(was_training)
         return float(loss_sum) / max(items, 1.0)
 
@@ -438,9 +463,20 @@ class OptimizedTrainer:
         return self.save()
 
     def _maybe_resume(self) -> Path | None:
-        path = resume_path(self.spec.save.resume, self.spec.save.dir)
+        path = resume_path(self.spec.save.resume, self.spec.save.dir) if self.is_main_process else None
+        if self.world_size > 1:  # rank 0 decides, so all ranks resume from the same step
+            shared = [path]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            path = shared[0]
         if path is not None:
-            self.load_state_dict(load_checkpoint(path, map_location=self.device))
+            # On CPU: load_state_dict copies weights and optimizer state to their device, RNG states must stay CPU.
+            try:
+                self.load_state_dict(load_checkpoint(path, map_location="cpu"))
+            except SpecError:
+                raise
+            except Exception as exc:
+                raise SpecError(f"save.resume: cannot resume from {path}: {type(exc).__name__}: {exc}. Is it a "
+                                "vlmfast checkpoint of this model? Use save.resume: never to start afresh") from exc
         return path
 
     # ---- reporting ------------------------------------------------------------------------------------------

@@ -83,9 +83,15 @@ class ResumableLoader:
                 raise ValueError(f"the DataLoader yields batches of {data.batch_size} but batch_size is {batch_size}: "
                                  "set batch_size to match, or pass the Dataset and let vlmfast build the loader")
             self.loader = data
+            if world_size > 1 and not hasattr(data.sampler, "set_epoch"):
+                log.warning("%d ranks share a user DataLoader without a DistributedSampler: every rank may see the "
+                            "same batches; pass the Dataset instead and vlmfast shards it", world_size)
             return
         kwargs = _loader_kwargs(spec, pin_memory)
         if isinstance(data, IterableDataset):
+            if world_size > 1:
+                log.warning("an IterableDataset must shard itself by rank (torch.distributed.get_rank()); "
+                            "vlmfast cannot split a stream it does not index")
             self.loader = DataLoader(data, batch_size=batch_size, collate_fn=collate_fn, drop_last=spec.drop_last,
                                      **kwargs)
             return

@@ -160,6 +160,9 @@ class GradientAccumulation(Strategy):
         micro_batches = split_batch(batch, self.micro_batch_size)
         self.accumulation_steps = len(micro_batches)
         token_counts = [self._count_tokens(mb) for mb in micro_batches]
+        if 0 in token_counts:  # micro-batches without loss tokens first, so the last one (DDP's sync) has some
+            order = sorted(range(len(micro_batches)), key=lambda i: token_counts[i] != 0)
+            micro_batches, token_counts = [micro_batches[i] for i in order], [token_counts[i] for i in order]
         countable = all(n is not None for n in token_counts)
         weighting = self.resolved_weighting = self._resolve_weighting(countable)
         items = token_counts if weighting == "tokens" else [batch_size_of(mb) for mb in micro_batches]
@@ -195,6 +198,16 @@ class GradientAccumulation(Strategy):
         if self.passes_num_items and plan.weighting == "tokens":
             return extract_loss(call_model(model, micro_batch, num_items_in_batch=int(plan.divisor)))
         return _mean_to_share(extract_loss(call_model(model, micro_batch)), plan, index)
+
+    def skippable(self, plan: AccumulationPlan, index: int) -> bool:
+        """A micro-batch with no loss tokens contributes nothing, and a model's mean over zero tokens is NaN."""
+        return plan.weighting == "tokens" and self.loss_fn is None and plan.items[index] == 0
+
+    def local_items(self, plan: AccumulationPlan) -> float:
+        """Loss items of this rank's batch (what loss_fn reported, else what was counted before forward)."""
+        if plan.reported_items:
+            return sum(float(n) for n in plan.reported_items)
+        return float(sum(n or 0 for n in plan.items))
 
     def backward_scale(self) -> float:
         """DDP averages gradients over ranks; the shares are fractions of the global batch, so undo that."""
@@ -254,11 +267,13 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], world_size: int, bu
             p.grad = torch.zeros_like(p)
     limit = bucket_mb * 2**20
     bucket: list[torch.Tensor] = []
+    size = 0
     for grad in [p.grad for p in params]:
-        if bucket and (grad.dtype != bucket[0].dtype or sum(g.nbytes for g in bucket) + grad.nbytes > limit):
+        if bucket and (grad.dtype != bucket[0].dtype or size + grad.nbytes > limit):
             _reduce_bucket(bucket, world_size)
-            bucket = []
+            bucket, size = [], 0
         bucket.append(grad)
+        size += grad.nbytes
     if bucket:
         _reduce_bucket(bucket, world_size)
 

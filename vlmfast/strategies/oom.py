@@ -73,14 +73,22 @@ def set_expandable_segments() -> bool:
     return True
 
 
-def any_rank(flag: bool) -> bool:
-    """Whether `flag` is set on any rank (MAX all-reduce; a no-op in a single process)."""
+def rank_max(value: int) -> int:
+    """The largest `value` over ranks (MAX all-reduce; the value itself in a single process)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
+        return value
     device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor([int(flag)], device=device)
+    tensor = torch.tensor([value], device=device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return bool(tensor.item())
+    return int(tensor.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is set on any rank."""
+    return bool(rank_max(int(flag)))
+
+
+OK, OOM, FAILED = 0, 1, 2  # what a rank reports after an attempt; the worst one wins
 
 
 class OOMFallback(Strategy):
@@ -105,18 +113,25 @@ class OOMFallback(Strategy):
         """Call `attempt(micro_batch_size)` until it finishes without OOM on every rank; return its result."""
         self._maybe_grow()
         while True:
-            oom_here = False
+            status, error = OK, None
             try:
                 result = attempt(self.micro_batch_size)
             except Exception as exc:
-                if not is_oom_error(exc):
-                    raise
-                oom_here = True  # the exception (and the tensors its traceback pins) dies with this block
-            if not any_rank(oom_here):
+                if is_oom_error(exc):
+                    status = OOM  # the exception (and the tensors its traceback pins) dies with this block
+                else:
+                    status, error = FAILED, exc
+            worst = rank_max(status)  # every rank joins, even one about to raise, so no peer waits for it
+            if error is not None:
+                raise error
+            if worst == FAILED:
+                raise RuntimeError("another rank failed during forward/backward (its traceback shows why); "
+                                   "stopping this rank too")
+            if worst == OK:
                 self.clean_steps += 1
                 return result
             result = None  # a rank that did not OOM drops its gradients too: everybody retries the batch
-            self._recover(cleanup, oom_here)
+            self._recover(cleanup, status == OOM)
 
     def _recover(self, cleanup: Callable[[], None], oom_here: bool) -> None:
         cleanup()

@@ -71,6 +71,11 @@ class MixedPrecision(Strategy):
         self.scaler.update()
         return self.scaler.get_scale() >= scale_before
 
+    def skip_step(self) -> None:
+        """A step abandoned after unscale_: let the scaler back off and forget this step's state."""
+        if self.scaler is not None:
+            self.scaler.update()
+
     def reset_after_oom(self) -> None:
         """Forget per-step scaler state (found-inf, unscaled) of an aborted step, as update() would."""
         if self.scaler is not None and hasattr(self.scaler, "_per_optimizer_states"):
