@@ -149,6 +149,8 @@ def test_two_ranks_one_oom_both_shrink_and_match_the_reference(tmp_path):
     survived = _run_two_ranks(4, 16, tmp_path / "oom.pt")
     reference = _run_two_ranks(None, 4, tmp_path / "ref.pt")
     assert [r["mbs"] for r in survived] == [4, 4]  # rank 1 never ran out of memory, yet shrank with rank 0
+    for name, value in survived[0]["params"].items():  # gradients were averaged: the ranks hold one model
+        assert torch.equal(survived[1]["params"][name], value), name
     for rank in range(2):
         for name, value in reference[rank]["params"].items():
             torch.testing.assert_close(survived[rank]["params"][name], value, rtol=1e-6, atol=1e-6)
