@@ -63,5 +63,5 @@ def test_a_corrupt_checkpoint_is_named_when_resuming(tmp_path):
     (broken / "state.pt").write_bytes(b"not a checkpoint")
     trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(16), TrainSpec(batch_size=4, save={"dir": str(tmp_path)},
                                                                            log={"progress": "off"}))
-    with pytest.raises(SpecError, match="cannot resume from .*step_00000004"):
+    with pytest.raises(SpecError, match=r"cannot resume from .*step_00000004"):
         trainer.fit()

@@ -132,3 +132,13 @@ def test_environment_without_launcher_is_a_single_process(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     assert (distributed_env().rank, distributed_env().world_size, distributed_env().launcher) == (3, 4, "torchrun")
+
+
+@pytest.mark.timeout(180)
+def test_comm_hook_from_the_spec_trains_and_keeps_ranks_identical(tmp_path):
+    ranks = run_two_ranks(tmp_path, "fp16hook", {"ddp": {"comm_hook": "fp16"}})
+    reference_params, _ = single_process()
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(ranks[1]["params"][name], value), name  # one model on both ranks
+        torch.testing.assert_close(value, reference_params[name], rtol=1e-2, atol=1e-3)  # fp16 gradients
+    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]

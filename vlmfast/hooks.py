@@ -12,6 +12,7 @@ Usage::
 
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vlmfast.data.batch import move_to_device, split_batch
+from vlmfast.distributed import init_distributed, register_comm_hook, wrap_ddp
 from vlmfast.interrupt import InterruptGuard
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import find_max_micro_batch_size
@@ -62,6 +63,7 @@ __all__ = [
     "find_max_micro_batch_size",
     "free_memory",
     "freeze_modules",
+    "init_distributed",
     "is_oom_error",
     "latest_checkpoint",
     "load_checkpoint",
@@ -73,9 +75,11 @@ __all__ = [
     "move_to_device",
     "oom_advice",
     "peak_memory_gb",
+    "register_comm_hook",
     "save_checkpoint",
     "saved_tensor_bytes",
     "set_expandable_segments",
     "split_batch",
     "sync_context",
+    "wrap_ddp",
 ]
