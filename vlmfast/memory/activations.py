@@ -81,22 +81,10 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     Usage: ``[name for name, _ in repeated_blocks(model)]`` -> ``['vision_tower.blocks.0', ...]``
     """
-    try:  # the strategy's own selection when it is there, so estimate and training agree
-        from vlmfast.strategies.checkpointing import find_repeated_blocks
-    except ImportError:
-        find_repeated_blocks = _find_repeated_blocks
+    from vlmfast.strategies.checkpointing import find_repeated_blocks  # the strategy's own choice: they agree
+
     return [(f"{path}.{i}", block) for path, mlist in find_repeated_blocks(model).items()
             for i, block in enumerate(mlist)]
-
-
-def _find_repeated_blocks(model: nn.Module) -> dict[str, nn.ModuleList]:
-    found: dict[str, nn.ModuleList] = {}
-    for name, module in model.named_modules():
-        if any(name.startswith(f"{outer}.") for outer in found):
-            continue
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
-            found[name] = module
-    return found
 
 
 def measure_saved_activations(
