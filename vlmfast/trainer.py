@@ -226,6 +226,7 @@ class OptimizedTrainer:
         """One optimizer step on one per-rank batch: accumulate gradients, then update. Returns the step metrics."""
         plan, loss = self._forward_backward_with_fallback(batch)
         loss, grad_norm, stepped = self._apply_update(plan, loss)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step used, read before the scheduler moves on
         self.scheduler.step()
         self.state.step += 1
         self.state.micro_batch_size = self.accumulation.micro_batch_size
@@ -234,7 +235,7 @@ class OptimizedTrainer:
         tokens = count_input_tokens(batch)
         self.state.samples_seen += samples * self.world_size
         self.state.tokens_seen += tokens * self.world_size
-        metrics = {"step": self.state.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+        metrics = {"step": self.state.step, "loss": loss, "lr": lr,
                    "micro_batch_size": self.state.micro_batch_size, "accumulation_steps": self.state.accumulation_steps,
                    "samples": samples, "tokens": tokens, "skipped": not stepped}
         if grad_norm is not None:
