@@ -16,5 +16,12 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 extras=""
 [ "${1:-}" = "--dev" ] && extras="[dev]"
+if [ -n "$extras" ] && ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+  # DeepSpeed's sdist builds against the installed torch (no build isolation, or pip would fetch another torch);
+  # DS_BUILD_OPS=0 skips compiling its CUDA ops here: the few it needs on CPU build on first use.
+  echo "setup: installing deepspeed (for the ZeRO backend tests)" >&2
+  "${pip[@]}" install setuptools wheel
+  DS_BUILD_OPS=0 "${pip[@]}" install --no-build-isolation "deepspeed>=0.15"
+fi
 echo "setup: installing vlmfast${extras}" >&2
 "${pip[@]}" install -e ".${extras}"

@@ -31,14 +31,19 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep_last: int = 3,
-                    meta: dict[str, Any] | None = None) -> Path:
-    """Write `state` atomically as checkpoint `step` in `directory`; keep the newest `keep_last`."""
+                    meta: dict[str, Any] | None = None, staged: Path | None = None) -> Path:
+    """Write `state` atomically as checkpoint `step` in `directory`; keep the newest `keep_last`.
+
+    `staged`: a folder from :func:`staging_dir` that other ranks already wrote their shards into; it becomes the
+    checkpoint together with `state`, in the same atomic rename.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(step)
-    tmp = directory / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = staged or directory / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
+    if staged is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
     _write_synced(tmp / STATE_FILE, lambda f: torch.save(state, f))
     info = {"step": step, "time": time.time(), **(meta or {})}
     _write_synced(tmp / META_FILE, lambda f: f.write(json.dumps(info, indent=2).encode()))
@@ -52,6 +57,21 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     _fsync_dir(directory)
     prune_checkpoints(directory, keep_last)
     return final
+
+
+def staging_dir(directory: str | Path, step: int, world_size: int = 1) -> Path:
+    """The temporary folder all ranks write a sharded checkpoint into (rank 0's name: a collective when sharded)."""
+    directory = Path(directory)
+    name = [f".tmp-{checkpoint_name(step)}-{os.getpid()}"]
+    if world_size > 1:
+        torch.distributed.broadcast_object_list(name, src=0)
+    staged = directory / name[0]
+    if world_size == 1 or torch.distributed.get_rank() == 0:
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.mkdir(parents=True)
+    if world_size > 1:
+        torch.distributed.barrier()
+    return staged
 
 
 def _write_synced(path: Path, write: Any) -> None:

@@ -65,8 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     finder.set_defaults(run=_cmd_find_batch_size)
 
     from vlmfast.memory.estimate_cli import add_estimate_memory_parser
+    from vlmfast.profiling.doctor_cli import add_doctor_command
 
     add_estimate_memory_parser(sub)
+    add_doctor_command(sub)
 
     spec = sub.add_parser("spec", help="print the spec schema or a commented defaults template, or check a file")
     group = spec.add_mutually_exclusive_group(required=True)

@@ -29,7 +29,7 @@ class SpecError(ValueError):
 
 
 # Contract sections (DESIGN.md) whose strategies have not landed yet: a clear message, not "unknown key".
-PLANNED_SECTIONS = {"attention": 5, "deepspeed": 4, "compile": 5, "packing": 5, "profile": 7}
+PLANNED_SECTIONS: dict[str, int] = {}
 
 
 class Section(BaseModel):
@@ -52,6 +52,25 @@ class Section(BaseModel):
                 hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
                 raise ValueError(f"unknown key '{key}' in {_section_label(cls)}{hint}")
         return data
+
+
+def _check_backend(spec: TrainSpec) -> None:
+    """What the sharded backends cannot do, said before any work (docs/distributed.md explains why)."""
+    if spec.deepspeed.enabled and spec.fsdp.enabled:
+        raise ValueError("deepspeed.enabled and fsdp.enabled are both set: choose one backend")
+    name = {"deepspeed": "deepspeed.enabled", "fsdp": "fsdp.enabled"}.get(spec.backend)
+    if name is None:
+        return
+    if spec.oom.enabled:
+        raise ValueError(f"oom.enabled does not work with {name}: a rank that runs out of memory mid-backward leaves "
+                         "the others inside a sharded reduction. Use `vlmfast find-batch-size` to pick "
+                         "micro_batch_size, or activation_checkpointing / ZeRO offload for headroom")
+    if spec.ddp.comm_hook != "none":
+        raise ValueError(f"ddp.comm_hook is a DDP feature and does nothing with {name}: set ddp.comm_hook: none")
+    if spec.deepspeed.enabled and spec.loss.on_nonfinite == "skip" and spec.precision != "fp16":
+        raise ValueError("loss.on_nonfinite: skip needs precision fp16 with deepspeed.enabled (DeepSpeed's loss "
+                         "scaler skips overflowing steps; other steps are reduced before vlmfast sees them): "
+                         "use loss.on_nonfinite: stop")
 
 
 def _section_label(cls: type[BaseModel]) -> str:
@@ -196,15 +215,94 @@ class DDPSpec(Section):
     )
 
 
+Offload = Literal["none", "cpu", "nvme"]
+
+
+class DeepSpeedSpec(Section):
+    """DeepSpeed ZeRO as the training backend instead of DDP (`pip install vlmfast[deepspeed]`)."""
+
+    enabled: bool = Field(False, description="train through deepspeed.initialize (ZeRO) instead of DDP")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="0: none; 1: optimizer states; 2: + gradients; "
+                                            "3: + parameters sharded across ranks")
+    offload_optimizer: Offload = Field("none", description="keep optimizer states (and the step) on CPU or NVMe")
+    offload_param: Offload = Field("none", description="keep parameters on CPU or NVMe (ZeRO-3 only)")
+    nvme_path: Path | None = Field(None, description="folder for NVMe offload")
+    overlap_comm: bool | None = Field(None, description="overlap gradient reduction with backward "
+                                      "(default: DeepSpeed's own, on for ZeRO-3)")
+    contiguous_gradients: bool | None = Field(None, description="copy gradients into one buffer (less fragmentation)")
+    reduce_bucket_size: int | None = Field(None, ge=1, description="elements reduced at once")
+    allgather_bucket_size: int | None = Field(None, ge=1, description="elements all-gathered at once (ZeRO-1/2)")
+    stage3_prefetch_bucket_size: int | None = Field(None, ge=1, description="elements prefetched ahead (ZeRO-3)")
+    config: Path | dict[str, Any] | None = Field(
+        None, description="your own DeepSpeed JSON (path or dict), merged under the fields above; batch sizes, "
+        "precision and clipping always come from the spec (a conflicting value is an error)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DeepSpeedSpec:
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise ValueError(f"deepspeed.offload_param needs zero_stage 3 (got {self.zero_stage}): "
+                             "set deepspeed.zero_stage: 3 or offload_param: none")
+        if "nvme" in (self.offload_optimizer, self.offload_param) and self.nvme_path is None:
+            raise ValueError("deepspeed NVMe offload needs deepspeed.nvme_path (a folder on a fast local disk)")
+        if isinstance(self.config, Path) and not self.config.is_file():
+            raise ValueError(f"deepspeed.config: file not found: {self.config}")
+        return self
+
+
+class FSDPSpec(Section):
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) as the training backend instead of DDP."""
+
+    enabled: bool = Field(False, description="shard parameters, gradients and optimizer states with FSDP2")
+    reshard_after_forward: bool = Field(True, description="free gathered parameters after forward (ZeRO-3-like); "
+                                        "off keeps them until backward (ZeRO-2-like, faster, more memory)")
+    blocks: list[str] = Field(default_factory=list, description="classes or globs of the modules sharded one by one "
+                              "(default: the repeated blocks activation checkpointing finds)")
+
+
 class DataSpec(Section):
     """DataLoader settings for the per-rank optimizer batch."""
 
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    num_workers: int | Literal["auto"] = Field(
+        0, description="DataLoader worker processes; auto: measure a few batches at candidate counts (bounded by "
+        "CPU count and memory, within autotune_budget_s) and take the fastest"
+    )
     pin_memory: bool | None = Field(None, description="page-locked host batches; default: on when training on CUDA")
     persistent_workers: bool = Field(False, description="keep workers alive across epochs")
     prefetch_factor: int | None = Field(None, ge=1, description="batches prefetched per worker")
+    autotune_budget_s: float = Field(10.0, gt=0, description="num_workers auto: seconds of measuring, in all")
+    autotune_max_workers: int | None = Field(
+        None, ge=1, description="num_workers auto: largest count tried (default: CPU count, lowered to fit memory)"
+    )
+    device_prefetch: bool = Field(
+        False, description="copy the next batch to the device while the current step computes (side CUDA stream, "
+        "non_blocking from pinned memory); on CPU batches are still fetched one step ahead"
+    )
+    device_image_size: int | None = Field(
+        None, ge=1, description="resize + normalise the batch's raw images (key image_key: a list of uint8 [3, H, W] "
+        "tensors) on the device, one batched op per image size, into pixel_values; implies device_prefetch"
+    )
+    image_key: str = Field("images", description="batch key of the raw images for device_image_size")
+    image_mean: tuple[float, float, float] = Field((0.5, 0.5, 0.5), description="normalisation mean (0-1 scale)")
+    image_std: tuple[float, float, float] = Field((0.5, 0.5, 0.5), description="normalisation std (0-1 scale)")
+    max_bad_sample_fraction: float = Field(
+        0.01, ge=0, le=1, description="WebDataset shards: stop with an error naming the shard when more than this "
+        "share of samples is corrupt or unreadable (they are skipped and counted until then)"
+    )
+
+    @field_validator("num_workers")
+    @classmethod
+    def _workers_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"num_workers must be >= 0 or 'auto', got {value}")
+        return value
+
     shuffle: bool = Field(True, description="reshuffle every epoch (seeded, so resume is exact)")
     drop_last: bool = Field(True, description="drop a final partial batch so every step sees batch_size samples")
+    group_by_length: Literal["none", "length", "modality_length"] = Field(
+        "none", description="batches of similar length, longest first (modality_length: image and text-only "
+        "samples apart, LLaVA); needs dataset.lengths / modality_lengths, see docs/grouping.md"
+    )
 
 
 class SaveSpec(Section):
@@ -244,6 +342,121 @@ class LogSpec(Section):
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
+class CompileSpec(Section):
+    """torch.compile of the whole model or of each repeated block; a compile error falls back to eager."""
+
+    enabled: bool = Field(False, description="compile with torch.compile (the work happens at the first step)")
+    scope: Literal["model", "blocks"] = Field(
+        "model", description="model: the whole forward in one graph; blocks: each repeated transformer block on its "
+        "own (faster to compile: one graph serves every block of a stack)"
+    )
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="inductor mode: reduce-overhead adds CUDA graphs, max-autotune searches kernels"
+    )
+    dynamic: bool | None = Field(
+        None, description="dynamic shapes: null: recompile once, then generalise the sizes that changed; true: "
+        "dynamic from the start; false: one graph per shape"
+    )
+    fullgraph: bool = Field(False, description="treat any graph break as a compile error instead of splitting")
+    backend: str = Field("inductor", description="torch.compile backend: inductor, aot_eager, eager, cudagraphs")
+    fallback: bool = Field(True, description="on a compile error log the reason and run eager instead of stopping")
+
+    @model_validator(mode="after")
+    def _mode_needs_inductor(self) -> CompileSpec:
+        if self.mode != "default" and self.backend != "inductor":
+            raise ValueError(f"compile.mode '{self.mode}' is an inductor setting but compile.backend is "
+                             f"'{self.backend}': set backend: inductor or mode: default")
+        return self
+
+
+class TraceSpec(Section):
+    """torch.profiler trace of a few steps: Chrome trace and/or TensorBoard, optional memory and shapes."""
+
+    enabled: bool = Field(False, description="profile optimizer steps start_step .. start_step + active_steps - 1")
+    start_step: int = Field(10, ge=1, description="first profiled optimizer step (1-based)")
+    warmup_steps: int = Field(1, ge=0, description="steps traced but discarded just before start_step")
+    active_steps: int = Field(3, ge=1, description="steps recorded")
+    dir: Path | None = Field(None, description="output folder (default: log.dir/profiler, else ./profiler)")
+    format: Literal["chrome", "tensorboard", "both"] = Field(
+        "both", description="chrome: trace.json for chrome://tracing / Perfetto; tensorboard: the profiler plugin"
+    )
+    profile_memory: bool = Field(False, description="record tensor allocations (memory view; slower)")
+    record_shapes: bool = Field(False, description="record operator input shapes")
+    with_stack: bool = Field(False, description="record Python stacks (much slower, larger traces)")
+
+    @model_validator(mode="after")
+    def _warmup_before_start(self) -> TraceSpec:
+        if self.enabled and self.warmup_steps >= self.start_step:
+            raise ValueError(f"trace.warmup_steps ({self.warmup_steps}) must be below trace.start_step "
+                             f"({self.start_step}): warm-up steps run before the first profiled step")
+        return self
+
+
+class ProfileSpec(Section):
+    """Where the time goes: sampled phase timer, FLOPs and MFU, torch.profiler trace, NVTX ranges, plots."""
+
+    timing: bool = Field(True, description="time data wait / copy / forward / backward / optimizer / communication")
+    every_steps: int = Field(10, ge=1, description="time one step in this many (one device sync per timed step)")
+    warmup_steps: int = Field(1, ge=0, description="first steps never timed (lazy init, allocator warm-up)")
+    mfu: bool = Field(True, description="count FLOPs once per batch shape; report TFLOP/s and MFU")
+    flops: Literal["measured", "analytic"] = Field(
+        "measured", description="measured: torch FlopCounterMode on one micro-batch per shape; analytic: 6N per "
+        "token + attention (needs a transformer whose config names layers/heads)"
+    )
+    peak_tflops: float | None = Field(
+        None, gt=0, description="device peak TFLOP/s for MFU (default: table of common GPUs at the run's "
+        "precision; none on CPU, where only TFLOP/s is reported)"
+    )
+    nvtx: bool = Field(False, description="NVTX ranges per phase for Nsight Systems (CUDA only)")
+    plots: bool = Field(True, description="write step_time_breakdown.png to log.dir at the end of the run")
+    trace: TraceSpec = Field(default_factory=TraceSpec)
+
+
+AttentionBackendName = Literal["auto", "eager", "sdpa", "flex", "flash_attn"]
+
+
+class AttentionSpec(Section):
+    """Attention backend per tower (Hugging Face attn_implementation, or vlmfast.attention in other models)."""
+
+    backend: AttentionBackendName | None = Field(
+        None, description="null: leave the model's attention alone; auto: pick per device, dtype, head dim and mask "
+        "(flash_attn -> sdpa -> eager, logged); or eager / sdpa / flex / flash_attn (an error if it cannot run)"
+    )
+    vision_backend: AttentionBackendName | None = Field(None, description="vision tower's backend (default: backend)")
+    sdpa_kernels: list[Literal["flash", "efficient", "cudnn", "math"]] | None = Field(
+        None, min_length=1, description="restrict SDPA to these kernels (torch.nn.attention.sdpa_kernel)"
+    )
+
+    @model_validator(mode="after")
+    def _check_backends(self) -> AttentionSpec:
+        if self.vision_backend is not None and self.backend is None:
+            raise ValueError("attention.vision_backend is set but attention.backend is not: set attention.backend "
+                             "too (e.g. sdpa)")
+        if self.sdpa_kernels and "sdpa" not in (self.backend, self.vision_backend):
+            raise ValueError("attention.sdpa_kernels restricts SDPA's kernels: set attention.backend (or "
+                             "vision_backend) to sdpa")
+        return self
+
+
+class PackingSpec(Section):
+    """Sequence packing: several samples per row up to a token budget; attention never crosses samples."""
+
+    enabled: bool = Field(False, description="pack samples into rows (per-document position_ids, no cross attention)")
+    max_tokens: int = Field(2048, ge=8, description="token budget per packed row, image tokens included")
+    algorithm: Literal["best_fit_decreasing", "first_fit_decreasing"] = Field(
+        "best_fit_decreasing", description="how samples are placed into rows (longest first)"
+    )
+    image_tokens: int | None = Field(
+        None, ge=0, description="placeholder tokens per image for models that put image tokens before the text "
+        "(default: the model's prepended_image_tokens, e.g. the built-in tiny VLM; else 0: they are in input_ids)"
+    )
+    image_layout: Literal["per_row", "flat"] = Field(
+        "per_row", description="per_row: pixel_values [rows, K, ...] + images_per_row (splits into micro-batches); "
+        "flat: [images, ...] in row order (Hugging Face LLaVA; needs micro_batch_size = batch_size)"
+    )
+    pad_to_max_tokens: bool = Field(False, description="pad every row to max_tokens (static shapes for compile)")
+
+
 class TrainSpec(Section):
     """Everything a run needs besides the model and the data.
 
@@ -264,13 +477,19 @@ class TrainSpec(Section):
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     loss: LossSpec = Field(default_factory=LossSpec)
     activation_checkpointing: ActivationCheckpointingSpec = Field(default_factory=ActivationCheckpointingSpec)
+    attention: AttentionSpec = Field(default_factory=AttentionSpec)
     oom: OOMSpec = Field(default_factory=OOMSpec)
     memory: MemorySpec = Field(default_factory=MemorySpec)
     ddp: DDPSpec = Field(default_factory=DDPSpec)
+    deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
+    fsdp: FSDPSpec = Field(default_factory=FSDPSpec)
+    compile: CompileSpec = Field(default_factory=CompileSpec)
     data: DataSpec = Field(default_factory=DataSpec)
+    packing: PackingSpec = Field(default_factory=PackingSpec)
     save: SaveSpec = Field(default_factory=SaveSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     log: LogSpec = Field(default_factory=LogSpec)
+    profile: ProfileSpec = Field(default_factory=ProfileSpec)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> TrainSpec:
@@ -304,7 +523,13 @@ class TrainSpec(Section):
                              "powersgd or batched_powersgd, or use ddp.comm_hook: fp16/bf16 for plain compression")
         if self.log.tensorboard and self.log.dir is None:
             raise ValueError("log.tensorboard needs log.dir: set log.dir to a folder")
+        _check_backend(self)
         return self
+
+    @property
+    def backend(self) -> Literal["torch", "deepspeed", "fsdp"]:
+        """Who synchronises gradients and steps: torch (one process or DDP), DeepSpeed or FSDP2."""
+        return "deepspeed" if self.deepspeed.enabled else "fsdp" if self.fsdp.enabled else "torch"
 
     @property
     def resolved_micro_batch_size(self) -> int:

@@ -12,7 +12,6 @@ micro-batch size (Composer's design).
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,16 +31,20 @@ from vlmfast.checkpoint import (
     load_checkpoint,
     resume_path,
     save_checkpoint,
+    staging_dir,
 )
-from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device, split_batch
+from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
-from vlmfast.distributed.ddp import explain_ddp_error, wrap_ddp
+from vlmfast.distributed.backend import build_backend
+from vlmfast.distributed.ddp import explain_ddp_error
 from vlmfast.distributed.process_group import apply_nccl_presets, init_distributed
+from vlmfast.evaluation import evaluate_loss
 from vlmfast.interrupt import InterruptGuard
 from vlmfast.memory.advice import memory_summary, oom_advice
-from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size
+from vlmfast.memory.batch_size import BatchSizeSearch, search_trainer_micro_batch_size
 from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
+from vlmfast.profiling import RunProfiler
 from vlmfast.reporting import MetricsLogger, RunReport
 from vlmfast.spec import SpecError, TrainSpec, check_environment
 from vlmfast.strategies.accumulation import (
@@ -124,7 +127,11 @@ class OptimizedTrainer:
         mbs = self.spec.resolved_micro_batch_size
         self.state = TrainState(micro_batch_size=mbs, accumulation_steps=self.spec.batch_size // mbs)
 
-        self.precision = MixedPrecision(self.spec.precision, self.device, tf32=self.spec.tf32)
+        self.backend = build_backend(self.spec, self.device, self.world_size)
+        self.deepspeed = self.backend if self.backend.name == "deepspeed" else None  # it also owns backward/step
+        # DeepSpeed (bf16 weights + fp32 masters) and FSDP (its mixed-precision policy) own precision: no autocast.
+        precision = "fp32" if self.backend.owns_precision else self.spec.precision
+        self.precision = MixedPrecision(precision, self.device, tf32=self.spec.tf32)
         loss = self.spec.loss
         self.accumulation = GradientAccumulation(
             mbs, weighting=loss.weighting, label_key=loss.label_key, ignore_index=loss.ignore_index,
@@ -143,15 +150,17 @@ class OptimizedTrainer:
         model = model.to(self.device)
         for strategy in self.strategies:
             model = strategy.apply(model)
-        if self.world_size > 1:  # last: strategies change the plain model, DDP wraps the result
-            model = wrap_ddp(model, self.spec.ddp, self.device)
+        model = self.backend.wrap(model, self.optimization)  # last: strategies change the plain model
         self.model = model
+        self.timer = RunProfiler(self.spec.profile, model, self.device, precision=self.spec.precision,
+                                 tf32=self.spec.tf32, log_dir=self.spec.log.dir, is_main_process=self.is_main_process)
         # DDP + OOM fallback: DDP's in-backward all-reduce would strand a peer whose rank hit the OOM, so gradients
         # stay local (no_sync) until all ranks agree the step finished, then are averaged by hand.
         self._manual_grad_sync = self.oom is not None and self.world_size > 1 and hasattr(model, "no_sync")
         if self._manual_grad_sync and self.spec.ddp.comm_hook != "none":
             log.warning("ddp.comm_hook %s does not apply with oom.enabled on several ranks: gradients are averaged "
                         "by vlmfast after all ranks agree (see docs/oom.md)", self.spec.ddp.comm_hook)
+        self._backward = self.deepspeed.backward if self.deepspeed else self.precision.backward
         self._context_strategies = [s for s in self.strategies
                                     if type(s).forward_context is not Strategy.forward_context]
 
@@ -196,9 +205,12 @@ class OptimizedTrainer:
                 metrics_logger.write(f"resumed from {resumed_from} at step {self.state.step}")
             tick = time.perf_counter()
             while self.state.step < self.spec.max_steps and not self._should_stop(guard):
-                batch = next(self.loader)
+                self.timer.begin_step(self.state.step + 1)
+                with self.timer.phase("data_wait"):
+                    batch = next(self.loader)
                 data_time = time.perf_counter() - tick
                 metrics = self.train_step(batch)
+                metrics.update(self.timer.end_step())
                 now = time.perf_counter()
                 metrics.update(self._throughput(metrics, step_time=now - tick, data_time=data_time))
                 tick = now
@@ -216,6 +228,7 @@ class OptimizedTrainer:
             if self.eval_data is not None and not result.interrupted:
                 result.eval_loss = self._record_eval(result)
             result.report = self._build_report(history, time.perf_counter() - start)
+            result.report.extra.update(self.timer.finish(history))
             if self.is_main_process:
                 metrics_logger.write(result.report.to_text())
                 self._write_report(result.report)
@@ -225,7 +238,8 @@ class OptimizedTrainer:
     def train_step(self, batch: Any) -> dict[str, Any]:
         """One optimizer step on one per-rank batch: accumulate gradients, then update. Returns the step metrics."""
         plan, loss = self._forward_backward_with_fallback(batch)
-        loss, grad_norm, stepped = self._apply_update(plan, loss)
+        with self.timer.phase("optimizer"):
+            loss, grad_norm, stepped = self._apply_update(plan, loss)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step used, read before the scheduler moves on
         self.scheduler.step()
         self.state.step += 1
@@ -273,12 +287,19 @@ class OptimizedTrainer:
         for index, micro_batch in enumerate(plan.micro_batches):
             if index != last and self.accumulation.skippable(plan, index):
                 continue
-            micro_batch = move_to_device(micro_batch, self.device)
-            sync = (index == last or sync_each) and not self._manual_grad_sync
+            host_micro_batch = micro_batch
+            with self.timer.phase("h2d"):
+                micro_batch = self._to_device(micro_batch)
+            # DeepSpeed's engine owns the reduction (at backward for ZeRO-2/3, at step for ZeRO-0/1): no no_sync.
+            sync = (index == last or sync_each or self.deepspeed is not None) and not self._manual_grad_sync
             try:
-                with sync_context(self.model, sync), self._forward_context():
-                    share = self.accumulation.micro_batch_loss(self.model, micro_batch, plan, index)
-                self.precision.backward(share * scale if scale != 1.0 else share)
+                # Around backward too (FSDP2 reduces in backward); FLOPs are counted once per batch shape.
+                with sync_context(self.model, sync), self.timer.count_flops(host_micro_batch):
+                    with self._forward_context(), self.timer.phase("forward"):
+                        share = self.accumulation.micro_batch_loss(self.model, micro_batch, plan, index)
+                    with self.timer.phase("backward"):
+                        self._backward(share * scale if scale != 1.0 else share)
+                self.timer.add_flops(host_micro_batch)
             except RuntimeError as exc:
                 explained = explain_ddp_error(exc) if self.world_size > 1 else exc
                 if explained is not exc:
@@ -287,16 +308,27 @@ class OptimizedTrainer:
             total += share.detach().float()
         return total
 
+    def _to_device(self, micro_batch: Any) -> Any:
+        micro_batch = move_to_device(micro_batch, self.device)
+        return self.deepspeed.cast_inputs(micro_batch) if self.deepspeed else micro_batch
+
+    def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' loss shares. The same all-reduce carries "I want to stop" (a signal or a callback), so all
+        ranks leave the loop at the same step. Outside the OOM-retry region: every rank reaches it once per step."""
+        if self.world_size == 1:
+            return loss
+        wants_stop = float(bool(self.should_stop or self._interrupt))
+        summed = torch.stack([loss, torch.tensor(wants_stop, device=loss.device)])
+        with self.timer.phase("comm"):
+            torch.distributed.all_reduce(summed)
+        self._stop_agreed = bool(summed[1] > 0)
+        return summed[0]
+
     def _apply_update(self, plan: AccumulationPlan, loss: torch.Tensor) -> tuple[float, float | None, bool]:
         """Unscale, correct, clip, check for NaN/Inf, step. The only place the optimizer steps."""
-        if self.world_size > 1:
-            # Each rank holds its share of the global loss. The same all-reduce carries "I want to stop" (a signal
-            # or a callback), so all ranks leave the loop at the same step. Outside the OOM-retry region: every rank
-            # reaches this collective exactly once per step.
-            wants_stop = float(bool(self.should_stop or self._interrupt))
-            summed = torch.stack([loss, torch.tensor(wants_stop, device=loss.device)])
-            torch.distributed.all_reduce(summed)
-            loss, self._stop_agreed = summed[0], bool(summed[1] > 0)
+        loss = self._global_loss(loss)
+        if self.deepspeed is not None:
+            return self._deepspeed_update(plan, loss)
         self.precision.unscale_gradients(self.optimizer)
         factor = self.accumulation.correction(plan)
         if factor != 1.0:
@@ -316,6 +348,21 @@ class OptimizedTrainer:
         stepped = self.precision.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_value, norm_value, stepped
+
+    def _deepspeed_update(self, plan: AccumulationPlan, loss: torch.Tensor) -> tuple[float, float | None, bool]:
+        """The engine reduces, clips and steps; vlmfast checks the loss first (a NaN stops before the update)."""
+        if self.accumulation.correction(plan) != 1.0:
+            raise SpecError("with deepspeed.enabled, loss weights must be known before backward (the engine reduces "
+                            "gradients as they come): let loss_fn return the mean loss and set loss.label_key, or "
+                            "loss.weighting: samples")
+        loss_value = float(loss)
+        finite = _finite(loss_value)
+        if not finite:  # raises unless fp16, whose loss scaler skips the overflowing step inside the engine
+            self._handle_nonfinite(loss_value, None)
+        norm, applied = self.deepspeed.step()
+        if finite:
+            self.state.consecutive_skips = 0
+        return loss_value, (float(norm) if norm is not None else None), applied and finite
 
     def _handle_nonfinite(self, loss: float, grad_norm: float | None) -> None:
         step = self.state.step + 1
@@ -347,40 +394,11 @@ class OptimizedTrainer:
             stack.enter_context(strategy.forward_context())
         return stack
 
-    # ---- batch-size search ----------------------------------------------------------------------------------
+    # ---- batch-size search and evaluation ------------------------------------------------------------------
     def find_micro_batch_size(self, safety_margin: float = 0.9) -> BatchSizeSearch:
         """Largest micro-batch (up to batch_size) whose forward+backward+step fits; all state restored afterwards."""
-        # Snapshots on the host (copied: on CPU .to() aliases): a device copy would take the memory being measured.
-        snapshot = (copy.deepcopy(move_to_device(_unwrap(self.model).state_dict(), torch.device("cpu"))),
-                    copy.deepcopy(move_to_device(self.optimizer.state_dict(), torch.device("cpu"))),
-                    rng_state(), self.loader.state_dict())
-        manual_sync, self._manual_grad_sync = self._manual_grad_sync, True  # no DDP all-reduce inside a probe
-        batch = next(self.loader)
-        was_training = self.model.training
-        self.model.train()
+        return search_trainer_micro_batch_size(self, safety_margin)
 
-        def probe(n: int) -> None:
-            micro = split_batch(batch, n)[0]
-            try:
-                self._forward_backward(micro, n)
-                self.optimizer.step()  # optimizer states are allocated on the first step: count them
-            finally:
-                self.optimizer.zero_grad(set_to_none=True)
-
-        try:
-            return find_max_micro_batch_size(probe, self.spec.batch_size, safety_margin=safety_margin,
-                                             device=self.device)
-        finally:
-            _unwrap(self.model).load_state_dict(snapshot[0])
-            self.optimizer.load_state_dict(snapshot[1])
-            set_rng_state(snapshot[2])
-            self.loader.load_state_dict(snapshot[3])
-            self.accumulation.micro_batch_size = self.state.micro_batch_size
-            self._manual_grad_sync = manual_sync
-            self.model.train(was_training)
-
-    # ---- evaluation -----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self, data: Dataset | DataLoader | None = None) -> float:
         """Loss-token-weighted mean loss over `data` (default: eval_data), in eval mode."""
         data = data if data is not None else self.eval_data
@@ -388,21 +406,8 @@ class OptimizedTrainer:
             raise ValueError("evaluate() needs eval_data (pass it to OptimizedTrainer or to evaluate)")
         loader = data if isinstance(data, DataLoader) else DataLoader(
             data, batch_size=self.spec.batch_size, shuffle=False, collate_fn=self.collate_fn)
-        was_training = self.model.training
-        self.model.eval()
-        loss_sum, items = torch.zeros((), device=self.device), 0.0
-        for index, batch in enumerate(loader):
-            if self.spec.eval.max_batches is not None and index >= self.spec.eval.max_batches:
-                break
-            plan = self.accumulation.plan(batch)
-            for i, micro_batch in enumerate(plan.micro_batches):
-                with self._forward_context():
-                    share = self.accumulation.micro_batch_loss(
-                        self.model, move_to_device(micro_batch, self.device), plan, i)
-                loss_sum += share.float() * plan.divisor  # this micro-batch's loss sum
-            items += self.accumulation.local_items(plan)  # every rank evaluates all data: count local items
-        self.model.train(was_training)
-        return float(loss_sum) / max(items, 1.0)
+        return evaluate_loss(self.model, loader, self.accumulation, to_device=self._to_device,
+                             forward_context=self._forward_context, max_batches=self.spec.eval.max_batches)
 
     def _record_eval(self, result: FitResult) -> float:
         eval_loss = self.evaluate()
@@ -423,7 +428,7 @@ class OptimizedTrainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: model, strategies, data position, counters, RNG, spec."""
         return {
-            "model": _unwrap(self.model).state_dict(),
+            **self.backend.weights_state_dict(self.model, self.optimizer),
             "strategies": {s.name: s.state_dict() for s in self.strategies},
             "loader": self.loader.state_dict(),
             "trainer": asdict(self.state),
@@ -434,7 +439,8 @@ class OptimizedTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (refuses a checkpoint of a different run; see RESUME_INVARIANTS)."""
         check_resume_compatible(state["spec"], self.spec.to_dict(), RESUME_INVARIANTS)
-        _unwrap(self.model).load_state_dict(state["model"])
+        if "model" in state:  # absent when the backend keeps sharded checkpoints (DeepSpeed)
+            self.backend.load_weights_state_dict(self.model, self.optimizer, state)
         for strategy in self.strategies:
             strategy.load_state_dict(state["strategies"].get(strategy.name, {}))
         self.loader.load_state_dict(state["loader"])
@@ -450,9 +456,16 @@ class OptimizedTrainer:
         """Write a checkpoint now (atomic; rank 0 only) and return its path."""
         directory = Path(directory or self.spec.save.dir or "checkpoints")
         path = directory / f"step_{self.state.step:08d}"
+        staged = None
+        if self.backend.sharded_checkpoint:  # every rank writes its shard into rank 0's staging folder first
+            staged = staging_dir(directory, self.state.step, self.world_size)
+            self.backend.save_shards(staged)
+            if self.world_size > 1:
+                torch.distributed.barrier()
+        state = self.state_dict() if self.is_main_process or self.backend.name == "fsdp" else None  # FSDP gathers
         if self.is_main_process:
-            path = save_checkpoint(directory, self.state.step, self.state_dict(), self.spec.save.keep_last,
-                                   meta={"samples_seen": self.state.samples_seen})
+            path = save_checkpoint(directory, self.state.step, state, self.spec.save.keep_last,
+                                   meta={"samples_seen": self.state.samples_seen}, staged=staged)
             self._fire("on_save", path)
         return path
 
@@ -472,6 +485,7 @@ class OptimizedTrainer:
         if path is not None:
             # On CPU: load_state_dict copies weights and optimizer state to their device, RNG states must stay CPU.
             try:
+                self.backend.load_shards(path)
                 self.load_state_dict(load_checkpoint(path, map_location="cpu"))
             except SpecError:
                 raise
@@ -493,7 +507,7 @@ class OptimizedTrainer:
         return RunReport.from_history(
             history, wall_time, world_size=self.world_size, peak_memory_gb=peak_memory_gb(self.device),
             device=self.device.type, skipped_steps=self.state.skipped_steps,
-            strategies=[s.describe() for s in self.strategies],
+            strategies=[s.describe() for s in self.strategies] + self.backend.describe(),
         )
 
     def _write_report(self, report: RunReport) -> None:

@@ -16,8 +16,8 @@ Usage in a hand-written loop::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,10 +289,22 @@ def _reduce_bucket(grads: list[torch.Tensor], world_size: int) -> None:
 
 
 def sync_context(model: nn.Module, is_last: bool) -> AbstractContextManager[Any]:
-    """Skip the DDP gradient all-reduce on every micro-batch but the last (`no_sync`)."""
-    if not is_last and hasattr(model, "no_sync"):
-        return model.no_sync()
-    return nullcontext()
+    """Skip the gradient reduction on every micro-batch but the last (DDP's `no_sync`, FSDP2's
+    `set_requires_gradient_sync(False)`)."""
+    if is_last:
+        return nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):
+        return _fsdp_no_sync(model)
+    return model.no_sync() if hasattr(model, "no_sync") else nullcontext()
+
+
+@contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def accumulate_gradients(

@@ -124,7 +124,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: SchedulerSpec, max_s
 
 def clip_gradients(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm; returns the norm before clipping (a device tensor: no sync)."""
-    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor, the same on all ranks
 
 
 def human_count(n: int) -> str:
@@ -148,6 +149,8 @@ class Optimization(Strategy):
         self.scheduler: LambdaLR | None = None
         self.trainable: list[torch.Tensor] = []
         self._names: dict[int, str] = {}
+
+    owns_optimizer_state = True  # False when a sharded backend (DeepSpeed) checkpoints the optimizer itself
 
     def apply(self, model: nn.Module) -> nn.Module:
         self.frozen_params = freeze_modules(model, self.spec.optimizer.freeze)
@@ -173,10 +176,13 @@ class Optimization(Strategy):
         return bad
 
     def state_dict(self) -> dict[str, Any]:
+        if not self.owns_optimizer_state:
+            return {"scheduler": self.scheduler.state_dict()}
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # absent when a sharded backend (DeepSpeed) checkpoints the optimizer itself
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def describe(self) -> str:

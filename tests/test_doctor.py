@@ -1,0 +1,191 @@
+"""`vlmfast doctor`: the diagnosis rules on measured evidence, end to end on data-bound and compute-bound jobs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import pytest
+import torch
+from conftest import TinyCausalLM, TokenDataset
+from torch import nn
+
+from vlmfast.profiling.doctor import (
+    Evidence,
+    diagnose,
+    doctor_spec,
+    format_findings,
+    format_trials,
+    one_flag_at_a_time,
+    with_changes,
+)
+from vlmfast.profiling.doctor_cli import add_doctor_command, run_doctor
+from vlmfast.spec import TrainSpec
+
+
+class SleepyTokens(TokenDataset):
+    """A dataset whose __getitem__ sleeps: a deliberately data-bound job."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        time.sleep(0.010)
+        return super().__getitem__(i)
+
+
+class MatmulModel(nn.Module):
+    """Compute-heavy, data-light: a deep MLP over in-memory features."""
+
+    def __init__(self, dim: int = 384, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.layers(x), y)
+
+
+class Features(torch.utils.data.Dataset):
+    def __init__(self, n: int = 256, dim: int = 384) -> None:
+        self.x, self.y = torch.randn(n, dim), torch.randn(n, dim)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def sleepy_job() -> tuple[nn.Module, torch.utils.data.Dataset, None]:
+    torch.manual_seed(0)
+    return TinyCausalLM(), SleepyTokens(n=64), None
+
+
+def compute_job() -> tuple[nn.Module, torch.utils.data.Dataset, None]:
+    torch.manual_seed(0)
+    return MatmulModel(), Features(), None
+
+
+SPEC = TrainSpec(batch_size=4, log={"progress": "off"})
+
+
+def _evidence(**phases_ms: float) -> Evidence:
+    step = sum(phases_ms.values())
+    sample = {"perf/step_time": step / 1e3, **{f"perf/{k}_time": v / 1e3 for k, v in phases_ms.items()}}
+    return Evidence(samples=[sample, dict(sample)], spec=SPEC)
+
+
+# ---- rules on synthetic evidence ----------------------------------------------------------------------------
+def test_data_bound_evidence_ranks_data_loading_first_with_its_share() -> None:
+    findings = diagnose(_evidence(data_wait=60, forward=15, backward=20, optimizer=5))
+    assert findings[0].key == "data_loading"
+    assert findings[0].at_stake == pytest.approx(0.6)
+    assert "60%" in findings[0].evidence and findings[0].change == {"data.num_workers": "auto"}
+
+
+def test_compute_bound_evidence_does_not_blame_data() -> None:
+    findings = diagnose(_evidence(data_wait=2, forward=40, backward=50, optimizer=8))
+    assert "data_loading" not in [f.key for f in findings]
+    assert "no bottleneck" in format_findings([], _evidence(data_wait=2, forward=40, backward=58))
+
+
+def test_memory_padding_precision_and_communication_rules() -> None:
+    ev = _evidence(forward=40, backward=50, comm=30, optimizer=5)
+    ev.device, ev.world_size, ev.device_memory_gb, ev.peak_memory_gb, ev.padding_fraction = "cuda", 4, 80.0, 76.0, 0.5
+    keys = {f.key: f for f in diagnose(ev)}
+    assert keys["oom_risk"].change == {"activation_checkpointing.enabled": True}
+    assert "95%" in keys["oom_risk"].evidence
+    assert keys["precision"].change == {"precision": "bf16"}
+    assert keys["communication"].change == {"ddp.comm_hook": "bf16"}
+    assert keys["padding"].change  # packing or grouping by length, whichever this version's spec has
+    assert diagnose(ev)[0].key == "oom_risk"  # a crash outranks a slowdown
+    roomy = _evidence(forward=40, backward=50)
+    roomy.spec = with_changes(SPEC, {"micro_batch_size": 1})
+    roomy.device_memory_gb, roomy.peak_memory_gb = 80.0, 8.0
+    assert {f.key: f.change for f in diagnose(roomy)}["memory_headroom"] == {"micro_batch_size": 2}
+
+
+def test_attention_and_host_sync_rules_use_trace_and_sync_counts() -> None:
+    ev = _evidence(forward=45, backward=50, optimizer=5)
+    ev.top_ops = [{"name": "aten::_softmax", "share": 0.3, "clock": "device"},
+                  {"name": "aten::bmm", "share": 0.2, "clock": "device"}, {"name": "aten::mm", "share": 0.4}]
+    for sample in ev.samples:
+        sample["perf/host_syncs"] = 6.0
+    keys = {f.key: f for f in diagnose(ev)}
+    assert "50%" in keys["attention"].evidence
+    assert "6 synchronising" in keys["host_syncs"].evidence
+
+
+def test_spec_changes_are_validated_and_errors_name_the_field() -> None:
+    assert with_changes(SPEC, {"data.num_workers": 2}).data.num_workers == 2
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        with_changes(SPEC, {"micro_batch_size": 3})
+    with pytest.raises(ValueError, match="no timed steps"):
+        diagnose(Evidence(samples=[], spec=SPEC))
+    with pytest.raises(ValueError, match="--steps"):
+        doctor_spec(SPEC, steps=2)
+
+
+def test_one_flag_at_a_time_measures_each_change_alone() -> None:
+    calls = []
+
+    def run(spec: TrainSpec) -> Evidence:  # a job whose step time falls with workers; bf16 cannot run here
+        calls.append(spec)
+        if spec.precision == "bf16":
+            raise RuntimeError("no bf16 here")
+        workers = spec.data.num_workers if isinstance(spec.data.num_workers, int) else 4
+        return _evidence(data_wait=60 / (1 + workers), forward=40)
+
+    findings = diagnose(_evidence(data_wait=60, forward=40))
+    findings[0].change = {"data.num_workers": 3}
+    from vlmfast.profiling.doctor import Finding
+
+    findings.append(Finding("precision", "fp32", 0.1, "", {"precision": "bf16"}))
+    trials = one_flag_at_a_time(run, SPEC, findings)
+    assert [t.label for t in trials] == ["baseline", "data.num_workers=3", "precision=bf16"]
+    assert trials[1].speedup == pytest.approx(100 / 55)
+    assert trials[2].error and math.isnan(trials[2].speedup)
+    assert calls[1].data.num_workers == 3 and calls[1].precision == "fp32"  # one change at a time
+    assert "failed: RuntimeError" in format_trials(trials)
+
+
+# ---- end to end ---------------------------------------------------------------------------------------------
+def test_doctor_names_data_loading_first_on_a_data_bound_job() -> None:
+    report = run_doctor(SPEC, sleepy_job, steps=6)
+    first = report["findings"][0]
+    assert first["key"] == "data_loading", report["text"]
+    assert first["at_stake"] >= 0.10  # 4 samples x 10 ms of sleep against a few-ms step (shares vary with load)
+    assert f"({first['at_stake']:.0%})" in first["evidence"]
+    assert "data.num_workers" in report["text"]
+
+
+def test_doctor_does_not_blame_data_on_a_compute_bound_job() -> None:
+    report = run_doctor(TrainSpec(batch_size=64, log={"progress": "off"}), compute_job, steps=6)
+    keys = [f["key"] for f in report["findings"]]
+    assert "data_loading" not in keys[:1], report["text"]
+    assert "forward" in report["text"] and report["step_time_p50_ms"] > 0
+
+
+def test_doctor_command_line(tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser(prog="vlmfast")
+    add_doctor_command(parser.add_subparsers(dest="command"))
+    out = tmp_path / "doctor"
+    args = parser.parse_args(["doctor", "--task", "test_doctor:sleepy_job", "--steps", "5", "--set", "batch_size=4",
+                              "--out", str(out), "--json", str(tmp_path / "d.json")])
+    assert args.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "1. Data-bound" in printed and "--set data.num_workers=auto" in printed
+    assert json.loads((tmp_path / "d.json").read_text())["findings"][0]["key"] == "data_loading"
+    assert json.loads(next((out / "profiler").glob("trace_steps_*.json")).read_text())["traceEvents"]
+    assert (out / "step_time_breakdown.png").is_file()
+
+
+def test_speed_up_is_in_tokens_per_second_when_a_change_puts_more_tokens_in_a_step() -> None:
+    history = [{"step": s, "tokens": 100, "perf/step_time": 0.1} for s in (1, 2)]
+    packed = [{"step": s, "tokens": 300, "perf/step_time": 0.2} for s in (1, 2)]  # slower steps, more tokens each
+    base = Evidence.from_history(history, SPEC)
+    assert base.tokens_per_s == pytest.approx(1000)
+    from vlmfast.profiling.doctor import Finding
+
+    finding = Finding("padding", "padding", 0.3, "", {"data.group_by_length": "length"})
+    trials = one_flag_at_a_time(lambda spec: Evidence.from_history(packed, spec), SPEC, [finding], baseline=base)
+    assert trials[1].speedup == pytest.approx(1.5)  # 1500 vs 1000 tokens/s, although each step takes twice as long

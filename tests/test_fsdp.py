@@ -1,0 +1,77 @@
+"""FSDP2 backend on 2 CPU processes (gloo): the same training as one process, bf16 policy, exact resume."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import TinyCausalLM, TokenDataset
+from test_deepspeed import _free_port
+
+from vlmfast import OptimizedTrainer, TrainSpec
+
+
+def _worker(rank: int, port: int, out: str, spec: dict, kind: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        torch.manual_seed(0)
+        if kind == "vlm":
+            from vlmfast.models import build_tiny_vlm_task
+
+            model, data, collate = build_tiny_vlm_task(seed=0, num_samples=256)
+        else:
+            model, data, collate = TinyCausalLM(), TokenDataset(64), None
+        trainer = OptimizedTrainer(model, data, TrainSpec(**spec), collate_fn=collate)
+        result = trainer.fit()
+        params = {n: p.detach().full_tensor().float() for n, p in trainer.model.named_parameters()}
+        torch.save({"params": params, "losses": [m["loss"] for m in result.history],
+                    "sharded": type(next(trainer.model.parameters())).__name__,
+                    "strategies": result.report.strategies}, f"{out}.{rank}")
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_two_ranks(tmp_path, name: str, spec: dict, kind: str = "lm") -> list[dict]:
+    out = str(tmp_path / name)
+    torch.multiprocessing.spawn(_worker, args=(_free_port(), out, spec, kind), nprocs=2)
+    return [torch.load(f"{out}.{rank}") for rank in range(2)]
+
+
+def base_spec(**overrides) -> dict:
+    spec = {"max_steps": 6, "batch_size": 4, "micro_batch_size": 2, "optimizer": {"lr": 1e-2}, "grad_clip": 1.0,
+            "log": {"progress": "off"}}
+    spec.update(overrides)
+    return spec
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_gives_the_same_training_as_one_process_with_the_global_batch(tmp_path):
+    ranks = run_two_ranks(tmp_path, "fsdp", base_spec(fsdp={"enabled": True, "blocks": ["mix", "head"]}))
+    torch.manual_seed(0)
+    single = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), TrainSpec(**base_spec(batch_size=8,
+                                                                                      micro_batch_size=4)))
+    reference = single.fit()
+    assert ranks[0]["sharded"] == "DTensor"  # the parameters really are sharded
+    assert "fsdp2: 3 sharded units" in ranks[0]["strategies"][-1]
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx([m["loss"] for m in reference.history], rel=1e-5)
+        for name, value in single.model.named_parameters():
+            torch.testing.assert_close(rank["params"][name], value.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_trains_the_tiny_vlm_in_bf16_and_resumes_exactly(tmp_path):
+    common = dict(max_steps=8, batch_size=8, micro_batch_size=4, precision="bf16", optimizer={"lr": 3e-3},
+                  fsdp={"enabled": True})
+    full = run_two_ranks(tmp_path, "full", base_spec(**common, save={"dir": str(tmp_path / "a"), "every_steps": 4}),
+                         kind="vlm")
+    losses = full[0]["losses"]
+    assert sum(losses[-2:]) < sum(losses[:2]) * 0.9, losses
+    resumed = run_two_ranks(tmp_path, "resumed", base_spec(**common, save={
+        "dir": str(tmp_path / "b"), "resume": str(tmp_path / "a" / "step_00000004")}), kind="vlm")
+    assert resumed[0]["losses"] == pytest.approx(losses[4:], rel=1e-4)
+    for name, value in full[0]["params"].items():
+        torch.testing.assert_close(resumed[0]["params"][name], value, rtol=1e-3, atol=1e-4)

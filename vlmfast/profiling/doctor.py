@@ -1,0 +1,456 @@
+"""`vlmfast doctor`: measure a few steps of a job, then say what is slow and which spec change to try first.
+
+Usage::
+
+    evidence = Evidence.from_history(result.history, spec, device="cuda", device_memory_gb=80.0)
+    for finding in diagnose(evidence):
+        print(finding.to_text())                     # ranked: evidence, then the exact spec change
+    table = one_flag_at_a_time(run_job, spec, findings)   # optional: apply each change alone, measure the gain
+
+The rules follow the reference decision tree ("measure first"), in this order of questions: is the device waiting
+for data (data wait, host-to-device copy)? Is the step dominated by communication? Inside compute: does attention
+take the time (memory-bandwidth bound: SDPA/flash), are matmuls off the tensor cores (fp32: bf16/TF32), are
+host-device syncs stalling the queue, is compute spent on padding (packing/grouping)? And memory: is there headroom
+for a larger micro-batch (or no checkpointing), or is the run close to OOM (checkpointing, ZeRO)? Each finding
+carries its measured evidence and the part of the step time at stake, which ranks the findings. Everything here is
+a pure function of per-step metrics (the PhaseTimer's ``perf/*``, the trainer's ``mem/*``, ``tokens``) plus run
+facts, so it is testable without a device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from vlmfast.profiling.phase_timer import percentile
+from vlmfast.spec import TrainSpec
+
+__all__ = ["Evidence", "Finding", "FlagTrial", "diagnose", "format_findings", "format_trials", "one_flag_at_a_time",
+           "with_changes"]
+
+# Thresholds (share of step time) from which a phase is worth a finding; below them the gain is noise.
+DATA_WAIT_MIN = 0.10
+H2D_MIN = 0.05
+COMM_MIN = 0.15
+ATTENTION_MIN = 0.15
+PADDING_MIN = 0.20
+HEADROOM_MAX = 0.50  # peak below this share of device memory: room for a larger micro-batch
+OOM_RISK_MIN = 0.90  # peak above this share: one longer batch away from OOM
+ATTENTION_OPS = ("attention", "softmax", "baddbmm", "bmm")
+
+
+@dataclass
+class Evidence:
+    """What a short run measured: sampled ``perf/*`` steps plus the facts the rules need."""
+
+    samples: list[dict[str, float]]  # PhaseTimer.end_step() dicts (sampled steps only)
+    spec: TrainSpec
+    device: str = "cpu"  # "cpu" or "cuda"
+    world_size: int = 1
+    peak_memory_gb: float | None = None
+    device_memory_gb: float | None = None  # total device memory; None: no memory rules
+    padding_fraction: float | None = None  # share of language-model tokens that are padding
+    top_ops: list[dict[str, Any]] = field(default_factory=list)  # from the torch.profiler window
+    mfu: float | None = None
+    bf16_supported: bool = True
+    tokens_per_s: float | None = None  # real input tokens per second over the timed steps
+
+
+    @classmethod
+    def from_history(cls, history: Sequence[Mapping[str, Any]], spec: TrainSpec, **facts: Any) -> Evidence:
+        """Evidence from a run's per-step metrics (rows with ``perf/step_time`` are the sampled steps)."""
+        samples = [{k: float(v) for k, v in row.items() if k.startswith("perf/") and isinstance(v, (int, float))}
+                   for row in history if "perf/step_time" in row and not row.get("perf/traced")]
+        peaks = [row["mem/peak_gb"] for row in history if "mem/peak_gb" in row]
+        facts.setdefault("peak_memory_gb", max(peaks) if peaks else None)
+        mfus = [s["perf/mfu"] for s in samples if "perf/mfu" in s]
+        facts.setdefault("mfu", sum(mfus) / len(mfus) if mfus else None)
+        timed = [row for row in history if "perf/step_time" in row and not row.get("perf/traced") and "tokens" in row]
+        seconds = sum(row["perf/step_time"] for row in timed)
+        facts.setdefault("tokens_per_s", sum(row["tokens"] for row in timed) / seconds if seconds and timed else None)
+        return cls(samples=samples, spec=spec, **facts)
+
+    def share(self, phase: str) -> float:
+        """Mean share of step time spent in `phase` (e.g. "data_wait", "comm_hook") over the sampled steps."""
+        total = sum(s["perf/step_time"] for s in self.samples)
+        return sum(s.get(f"perf/{phase}_time", 0.0) for s in self.samples) / total if total > 0 else 0.0
+
+    def mean_ms(self, phase: str) -> float:
+        values = [s.get(f"perf/{phase}_time", 0.0) for s in self.samples]
+        return 1e3 * sum(values) / len(values) if values else 0.0
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * percentile([s["perf/step_time"] for s in self.samples], 0.5)
+
+
+@dataclass
+class Finding:
+    """One diagnosis: what is slow (with the measured evidence), how much is at stake, and the spec change."""
+
+    key: str
+    title: str
+    at_stake: float  # estimated share of step time (or risk weight) the change addresses: the ranking key
+    evidence: str
+    change: dict[str, Any] = field(default_factory=dict)  # dotted spec overrides (empty: a code change)
+    advice: str = ""
+
+    def to_text(self, rank: int | None = None) -> str:
+        head = f"{rank}. " if rank is not None else ""
+        change = ", ".join(f"{key}={value}" for key, value in self.change.items())
+        lines = [f"{head}{self.title}  [{self.at_stake:.0%} of step time at stake]", f"   evidence: {self.evidence}"]
+        if change:
+            lines.append(f"   change:   {change}   (--set {' --set '.join(_set_args(self.change))})")
+        if self.advice:
+            lines.append(f"   also:     {self.advice}")
+        return "\n".join(lines)
+
+
+def _set_args(change: Mapping[str, Any]) -> list[str]:
+    return [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in change.items()]
+
+
+def with_changes(spec: TrainSpec, change: Mapping[str, Any]) -> TrainSpec:
+    """A copy of `spec` with dotted overrides applied and validated (raises ValueError naming the field)."""
+    data = spec.to_dict() if hasattr(spec, "to_dict") else spec.model_dump()
+    for dotted, value in change.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    try:
+        return TrainSpec.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"spec change {dict(change)} is not valid here: {exc.errors()[0]['msg']}") from exc
+
+
+def _first_valid(spec: TrainSpec, candidates: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The first candidate change that this version's spec accepts (sections land independently)."""
+    for change in candidates:
+        try:
+            with_changes(spec, change)
+        except ValueError:
+            continue
+        return dict(change)
+    return {}
+
+
+# ---- the rules --------------------------------------------------------------------------------------------------
+def diagnose(evidence: Evidence) -> list[Finding]:
+    """All findings, most time at stake first. Empty when nothing measured stands out."""
+    if not evidence.samples:
+        raise ValueError("doctor: no timed steps to diagnose; run more steps than profile.warmup_steps with "
+                         "profile.timing: true")
+    rules = (_data_loading, _host_to_device, _communication, _attention, _precision, _host_syncs, _padding,
+             _vision_tower, _oom_risk, _memory_headroom, _compile)
+    findings = [finding for rule in rules if (finding := rule(evidence)) is not None]
+    return sorted(findings, key=lambda f: f.at_stake, reverse=True)
+
+
+def _data_loading(ev: Evidence) -> Finding | None:
+    share = ev.share("data_wait")
+    if share < DATA_WAIT_MIN:
+        return None
+    workers = ev.spec.data.num_workers
+    more = min(os.cpu_count() or 2, 8) if workers in (0, "auto") else min(2 * int(workers), os.cpu_count() or 2)
+    change = _first_valid(ev.spec, [{"data.num_workers": "auto"} if workers != "auto" else {},
+                                    {"data.num_workers": more, "data.persistent_workers": True}])
+    return Finding(
+        "data_loading", "Data-bound: the step waits for the DataLoader", share,
+        f"data wait {ev.mean_ms('data_wait'):.1f} ms of a {ev.step_ms:.1f} ms step ({share:.0%}) with "
+        f"data.num_workers={workers}",
+        change, "prefetch_factor 2-4, precomputed/sharded data (vlmfast shards), resize images on the device "
+        "(data.device_image_size); a sleeping or slow __getitem__ shows up here")
+
+
+def _host_to_device(ev: Evidence) -> Finding | None:
+    share = ev.share("h2d")
+    if share < H2D_MIN:
+        return None
+    change = _first_valid(ev.spec, [{"data.pin_memory": True, "data.device_prefetch": True},
+                                    {"data.pin_memory": True}])
+    return Finding("h2d", "Host-to-device copies block the step", share,
+                   f"copy {ev.mean_ms('h2d'):.1f} ms per step ({share:.0%})", change,
+                   "pinned memory makes non_blocking copies asynchronous; prefetching overlaps them with compute")
+
+
+def _communication(ev: Evidence) -> Finding | None:
+    share = ev.share("comm") + ev.share("comm_hook")
+    if ev.world_size < 2 or share < COMM_MIN:
+        return None
+    ddp = ev.spec.ddp
+    candidates: list[dict[str, Any]] = []
+    if ddp.sync_each_micro_batch:
+        candidates.append({"ddp.sync_each_micro_batch": False})
+    if ev.device == "cuda" and ddp.comm_hook == "none":
+        candidates.append({"ddp.comm_hook": "bf16" if ev.bf16_supported else "fp16"})
+    candidates.append({"ddp.bucket_cap_mb": ddp.bucket_cap_mb * 2})
+    return Finding("communication", "Communication-heavy: gradient all-reduce takes a large share", share,
+                   f"all-reduce {ev.mean_ms('comm') + ev.mean_ms('comm_hook'):.1f} ms per {ev.step_ms:.1f} ms step "
+                   f"({share:.0%}, partly overlapped with backward) on {ev.world_size} ranks",
+                   _first_valid(ev.spec, candidates),
+                   "a larger batch_size with gradient accumulation all-reduces once per more samples; "
+                   "ddp.static_graph: true; ddp.comm_hook: powersgd for slow links")
+
+
+def _attention(ev: Evidence) -> Finding | None:
+    if not ev.top_ops:
+        return None
+    share = sum(op["share"] for op in ev.top_ops if any(name in op["name"].lower() for name in ATTENTION_OPS))
+    if share < ATTENTION_MIN:
+        return None
+    compute = ev.share("forward") + ev.share("backward")
+    change = _first_valid(ev.spec, [{"attention.backend": "sdpa"}, {"attention.implementation": "sdpa"}])
+    return Finding("attention", "Attention is memory-bandwidth bound (eager softmax/bmm)", share * compute * 0.5,
+                   f"attention operators take {share:.0%} of profiled {ev.top_ops[0]['clock']} time "
+                   f"({', '.join(op['name'] for op in ev.top_ops[:3])} lead)",
+                   change, "use torch SDPA or FlashAttention (attn_implementation='sdpa'/'flash_attention_2' for "
+                   "Hugging Face models); below ~512 tokens the gain is small")
+
+
+def _precision(ev: Evidence) -> Finding | None:
+    if ev.device != "cuda" or ev.spec.precision != "fp32":
+        return None
+    compute = ev.share("forward") + ev.share("backward")
+    mfu = f"MFU {ev.mfu:.0%}" if ev.mfu is not None else "fp32 matmuls"
+    candidates = [{"precision": "bf16"}] if ev.bf16_supported else []
+    candidates.append({"tf32": True})
+    return Finding("precision", "Low tensor-core use: matmuls run in fp32", 0.5 * compute,
+                   f"{mfu} at precision fp32 (tf32={ev.spec.tf32}); forward+backward are {compute:.0%} of the step",
+                   _first_valid(ev.spec, candidates), "bf16 autocast halves activation memory as well")
+
+
+def _host_syncs(ev: Evidence) -> Finding | None:
+    syncs = [s["perf/host_syncs"] for s in ev.samples if "perf/host_syncs" in s]
+    per_step = sum(syncs) / len(syncs) if syncs else 0.0
+    if per_step < 1:
+        return None
+    return Finding("host_syncs", "Host-device syncs in model or loss code stall the GPU queue",
+                   min(0.02 * per_step, 0.3),
+                   f"{per_step:.0f} synchronising call(s) per step inside forward/backward (.item(), .cpu(), "
+                   ".tolist(), boolean masks)", {},
+                   "keep values on the device inside the step; log them every N steps (torch.cuda."
+                   "set_sync_debug_mode('warn') shows where)")
+
+
+def _padding(ev: Evidence) -> Finding | None:
+    padding = ev.padding_fraction
+    if padding is None or padding < PADDING_MIN:
+        return None
+    compute = ev.share("language_model_forward") * 3 or ev.share("forward") + ev.share("backward")
+    change = _first_valid(ev.spec, [{"packing.enabled": True}, {"data.group_by_length": "length"}])
+    return Finding("padding", "Compute spent on padding", padding * min(compute, 1.0),
+                   f"{padding:.0%} of language-model tokens are padding", change,
+                   "packing concatenates short samples (document masks keep them apart); grouping by length "
+                   "pads each batch only to its own longest sample")
+
+
+def _vision_tower(ev: Evidence) -> Finding | None:
+    share = ev.share("vision_forward")
+    forward = ev.share("forward")
+    if forward <= 0 or share / forward < 0.4:
+        return None
+    return Finding("vision_tower", "The vision tower dominates the forward pass", 0.5 * share,
+                   f"vision tower {ev.mean_ms('vision_forward'):.1f} ms = {share / forward:.0%} of forward "
+                   f"({share:.0%} of the step)",
+                   {}, "frozen tower: precompute image features once; otherwise fewer/lower-resolution image tiles, "
+                   "bf16, or activation_checkpointing.scope: vision")
+
+
+def _memory_fraction(ev: Evidence) -> float | None:
+    if ev.peak_memory_gb is None or not ev.device_memory_gb:
+        return None
+    return ev.peak_memory_gb / ev.device_memory_gb
+
+
+def _oom_risk(ev: Evidence) -> Finding | None:
+    used = _memory_fraction(ev)
+    if used is None or used < OOM_RISK_MIN:
+        return None
+    spec = ev.spec
+    candidates = []
+    if not spec.activation_checkpointing.enabled:
+        candidates.append({"activation_checkpointing.enabled": True})
+    if not spec.oom.enabled:
+        candidates.append({"oom.enabled": True})
+    if ev.world_size > 1:
+        candidates.append({"deepspeed.enabled": True, "deepspeed.zero_stage": 2})
+    return Finding("oom_risk", "Out-of-memory risk: peak memory is close to the device's", 0.5 + (used - 0.9) * 5,
+                   f"peak {ev.peak_memory_gb:.2f} GiB of {ev.device_memory_gb:.2f} GiB ({used:.0%})",
+                   _first_valid(spec, candidates),
+                   "a longer batch than the ones seen (more images, longer text) would not fit; `vlmfast "
+                   "estimate-memory` shows which part to shrink")
+
+
+def _memory_headroom(ev: Evidence) -> Finding | None:
+    used = _memory_fraction(ev)
+    if used is None or used >= HEADROOM_MAX:
+        return None
+    spec = ev.spec
+    candidates = []
+    if spec.activation_checkpointing.enabled:
+        candidates.append({"activation_checkpointing.enabled": False})
+    mbs = spec.resolved_micro_batch_size
+    if mbs < spec.batch_size:
+        candidates.append({"micro_batch_size": min(2 * mbs, spec.batch_size)})
+    change = _first_valid(spec, candidates)
+    if not change:
+        return None
+    return Finding("memory_headroom", "Unused memory: a larger micro-batch or no recomputation fits", 0.1 * (1 - used),
+                   f"peak {ev.peak_memory_gb:.2f} GiB of {ev.device_memory_gb:.2f} GiB ({used:.0%})", change,
+                   "`vlmfast find-batch-size` finds the largest micro-batch that fits")
+
+
+def _compile(ev: Evidence) -> Finding | None:
+    compute = ev.share("forward") + ev.share("backward")
+    if compute < 0.6 or _spec_value(ev.spec, "compile.enabled") in (True, None):
+        return None
+    return Finding("compute", "Compute-bound: forward and backward fill the step", 0.15 * compute,
+                   f"forward+backward {compute:.0%} of the step; data wait {ev.share('data_wait'):.0%}",
+                   _first_valid(ev.spec, [{"compile.enabled": True}]),
+                   "fused kernels cut launch overhead and memory traffic; then check MFU against the device peak")
+
+
+def _spec_value(spec: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        spec = getattr(spec, part, None)
+        if spec is None:
+            return None
+    return spec
+
+
+def format_findings(findings: Sequence[Finding], evidence: Evidence) -> str:
+    """The ranked diagnosis as text, headed by the measured step-time breakdown."""
+    phases = ("data_wait", "h2d", "forward", "backward", "optimizer", "comm", "other")
+    split = ", ".join(f"{name} {evidence.share(name):.0%}" for name in phases if evidence.share(name) >= 0.005)
+    lines = [f"step time p50 {evidence.step_ms:.1f} ms over {len(evidence.samples)} timed steps: {split}"]
+    if evidence.mfu is not None:
+        lines.append(f"MFU {evidence.mfu:.1%}")
+    if not findings:
+        lines.append("no bottleneck stands out: the step is compute-bound and no flag is predicted to help")
+    lines += [finding.to_text(rank) for rank, finding in enumerate(findings, 1)]
+    return "\n".join(lines)
+
+
+# ---- profiling a real job ------------------------------------------------------------------------------------
+def doctor_spec(spec: TrainSpec, steps: int = 20, out_dir: str | None = None,
+                trace_dir: str | None = None) -> TrainSpec:
+    """`spec` turned into a short profiling run: every step timed, a torch.profiler window near the end, no
+    checkpoints, no evaluation, no progress bar (everything that decides speed is left as the user set it).
+    Metrics, plot and trace go to `out_dir` (trace: `trace_dir` when given)."""
+    if steps < 4:
+        raise ValueError(f"doctor --steps must be >= 4 (warm-up, then timed steps), got {steps}")
+    warmup = max(1, steps // 5)
+    change: dict[str, Any] = {
+        "max_steps": steps, "save.dir": None, "save.every_steps": None, "save.resume": "never",
+        "eval.every_steps": None, "log.progress": "off", "log.dir": out_dir, "log.tensorboard": False,
+        "memory.leak_check": False, "profile.timing": True, "profile.every_steps": 1, "profile.warmup_steps": warmup,
+        "profile.plots": out_dir is not None, "profile.trace.enabled": True, "profile.trace.format": "chrome",
+        "profile.trace.start_step": max(warmup + 1, steps - 2), "profile.trace.warmup_steps": 1,
+        "profile.trace.active_steps": min(2, steps - max(warmup + 1, steps - 2) + 1),
+        "profile.trace.dir": trace_dir or (f"{out_dir}/profiler" if out_dir else None),
+    }
+    if spec.scheduler.warmup_steps >= steps:  # lr warm-up does not change speed; the spec demands it < max_steps
+        change["scheduler.warmup_steps"] = 0
+    return with_changes(spec, change)
+
+
+def collect_evidence(trainer: Any, result: Any) -> Evidence:
+    """Evidence from a finished OptimizedTrainer run with `profile.timing` on."""
+    import torch
+
+    from vlmfast.memory.stats import GB
+
+    history = result.history
+    if not any("perf/step_time" in row for row in history):
+        raise ValueError("doctor: the run reported no perf/* metrics: profile.timing must be on and the trainer "
+                         "must drive vlmfast.profiling.RunProfiler")
+    device = trainer.device
+    cuda = device.type == "cuda"
+    profiler = getattr(trainer, "timer", None)  # the trainer's RunProfiler
+    trace = getattr(profiler, "trace", None)
+    return Evidence.from_history(
+        history, trainer.spec, device=device.type, world_size=trainer.world_size,
+        peak_memory_gb=result.report.peak_memory_gb,
+        device_memory_gb=torch.cuda.get_device_properties(device).total_memory / GB if cuda else None,
+        padding_fraction=peek_padding(trainer.loader), top_ops=list(getattr(trace, "top_ops", [])),
+        bf16_supported=torch.cuda.is_bf16_supported() if cuda else True,
+    )
+
+
+def peek_padding(loader: Any, batches: int = 4) -> float | None:
+    """Share of padding in the attention masks of the next few batches; the loader's position is restored."""
+    if not hasattr(loader, "state_dict"):
+        return None
+    state = loader.state_dict()
+    real = total = 0
+    try:
+        for _ in range(batches):
+            batch = next(loader)
+            mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+            if mask is None:
+                return None
+            real, total = real + int(mask.sum()), total + mask.numel()
+    except StopIteration:
+        pass
+    finally:
+        loader.load_state_dict(state)
+    return 1.0 - real / total if total else None
+
+
+# ---- one flag at a time ---------------------------------------------------------------------------------------
+@dataclass
+class FlagTrial:
+    """A measured run with one change applied (or the baseline)."""
+
+    label: str
+    change: dict[str, Any]
+    step_ms: float
+    peak_memory_gb: float | None
+    speedup: float = 1.0
+    error: str | None = None
+    tokens_per_s: float | None = None
+
+
+def one_flag_at_a_time(run: Callable[[TrainSpec], Evidence], spec: TrainSpec, findings: Sequence[Finding],
+                       baseline: Evidence | None = None) -> list[FlagTrial]:
+    """Run the baseline and each finding's change alone. The speed-up is in tokens/s when both runs report tokens
+    (a change such as packing puts more tokens in a step), else baseline p50 step time / changed p50 step time."""
+    baseline = baseline or run(spec)
+    base = FlagTrial("baseline", {}, baseline.step_ms, baseline.peak_memory_gb, tokens_per_s=baseline.tokens_per_s)
+    trials = [base]
+    for finding in findings:
+        if not finding.change:
+            continue
+        label = ", ".join(_set_args(finding.change))
+        try:
+            measured = run(with_changes(spec, finding.change))
+        except Exception as exc:  # a flag that cannot run here is a result too, not the end of the table
+            trials.append(FlagTrial(label, finding.change, math.nan, None, math.nan, f"{type(exc).__name__}: {exc}"))
+            continue
+        if base.tokens_per_s and measured.tokens_per_s:
+            speedup = measured.tokens_per_s / base.tokens_per_s
+        else:
+            speedup = base.step_ms / measured.step_ms if measured.step_ms > 0 else math.nan
+        trials.append(FlagTrial(label, finding.change, measured.step_ms, measured.peak_memory_gb, speedup,
+                                tokens_per_s=measured.tokens_per_s))
+    return trials
+
+
+def format_trials(trials: Sequence[FlagTrial]) -> str:
+    """The one-flag-at-a-time table."""
+    lines = [f"{'change':<44} {'step p50 ms':>11} {'tokens/s':>9} {'speed-up':>9} {'peak GiB':>9}"]
+    for trial in trials:
+        peak = f"{trial.peak_memory_gb:.2f}" if trial.peak_memory_gb is not None else "-"
+        rate = f"{trial.tokens_per_s:.0f}" if trial.tokens_per_s else "-"
+        if trial.error:
+            lines.append(f"{trial.label:<44} failed: {trial.error}")
+        else:
+            lines.append(f"{trial.label:<44} {trial.step_ms:>11.1f} {rate:>9} {trial.speedup:>8.2f}x {peak:>9}")
+    return "\n".join(lines)

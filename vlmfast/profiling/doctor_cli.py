@@ -1,0 +1,106 @@
+"""`vlmfast doctor [CONFIG]`: profile a short run of the job and print a ranked diagnosis with spec changes.
+
+Usage::
+
+    vlmfast doctor                                  # the built-in tiny VLM
+    vlmfast doctor run.yaml --task mypkg.jobs:build --steps 30
+    vlmfast doctor run.yaml --apply                 # also run each suggested change alone and measure its gain
+    vlmfast doctor run.yaml --out doctor/ --json doctor/diagnosis.json   # keep the trace, plot and findings
+
+In cli.py: ``from vlmfast.profiling.doctor_cli import add_doctor_command; add_doctor_command(sub)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import asdict
+from typing import Any
+
+__all__ = ["add_doctor_command", "run_doctor"]
+
+
+def add_doctor_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `doctor` sub-command to the `vlmfast` parser."""
+    from vlmfast.cli import _add_job_arguments
+
+    doctor = subparsers.add_parser(
+        "doctor", help="profile a few steps of the job and print what is slow, ranked, with the spec change to try")
+    _add_job_arguments(doctor)
+    doctor.add_argument("--steps", type=int, default=20, help="optimizer steps to profile (default 20)")
+    doctor.add_argument("--apply", action="store_true",
+                        help="then re-run with each suggested change alone and report its measured gain")
+    doctor.add_argument("--out", default=None, help="folder for the profiler trace, the step-time plot and metrics")
+    doctor.add_argument("--json", default=None, help="also write the findings (and trials) to this JSON file")
+    doctor.set_defaults(run=_cmd_doctor)
+    return doctor
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from vlmfast.cli import DEFAULT_TASK, _load_task, build_spec
+
+    spec = build_spec(args.config, args.set)  # fails here, before any model or data is built
+    task = _load_task(args.task)
+    builtin = args.task == DEFAULT_TASK
+
+    def build_job() -> tuple[Any, Any, Any]:
+        return task(seed=spec.seed, num_samples=args.samples) if builtin else task()
+
+    report = run_doctor(spec, build_job, steps=args.steps, apply=args.apply, out_dir=args.out)
+    if report is None:  # not rank 0
+        return 0
+    print(report["text"])
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({k: v for k, v in report.items() if k != "text"}, handle, indent=2, default=str)
+    return 0
+
+
+def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
+               out_dir: str | None = None) -> dict[str, Any] | None:
+    """Profile `steps` steps of the job `build_job()` -> (model, dataset, collate_fn) returns, diagnose, and with
+    `apply` measure each suggested change alone. Returns findings, trials and the printable text (None off rank 0)."""
+    from vlmfast.profiling.doctor import (
+        diagnose,
+        doctor_spec,
+        format_findings,
+        format_trials,
+        one_flag_at_a_time,
+    )
+
+    main_process = [True]
+    scratch = tempfile.TemporaryDirectory(prefix="vlmfast-doctor-")  # traces of runs the user did not ask to keep
+
+    def run(candidate: Any, keep: str | None = None) -> Any:
+        trace_dir = None if keep else f"{scratch.name}/profiler"
+        trainer, result = _fit(doctor_spec(candidate, steps, keep, trace_dir), build_job)
+        main_process[0] = trainer.is_main_process
+        from vlmfast.profiling.doctor import collect_evidence
+
+        return collect_evidence(trainer, result)
+
+    print(f"vlmfast doctor: profiling {steps} steps ...", file=sys.stderr)
+    evidence = run(spec, out_dir)
+    findings = diagnose(evidence)
+    text = format_findings(findings, evidence)
+    trials = []
+    if apply and any(f.change for f in findings):
+        print(f"vlmfast doctor: measuring {sum(bool(f.change) for f in findings)} change(s) one at a time ...",
+              file=sys.stderr)
+        trials = one_flag_at_a_time(run, spec, findings, baseline=evidence)
+        text += "\n\none flag at a time (each change alone, same steps):\n" + format_trials(trials)
+    scratch.cleanup()
+    if not main_process[0]:
+        return None
+    return {"text": text, "findings": [asdict(f) for f in findings], "trials": [asdict(t) for t in trials],
+            "step_time_p50_ms": evidence.step_ms, "mfu": evidence.mfu}
+
+
+def _fit(spec: Any, build_job: Any) -> tuple[Any, Any]:
+    from vlmfast.trainer import OptimizedTrainer
+
+    model, dataset, collate = build_job()  # a fresh model per run: every trial starts from the same weights
+    trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)
+    return trainer, trainer.fit()

@@ -1,0 +1,284 @@
+"""FLOPs per training step and MFU: measured by torch's FlopCounterMode once per batch shape, or by formula.
+
+Usage::
+
+    meter = FlopsMeter(model)                          # method="measured" (default) or "analytic"
+    with meter.count(micro_batch):                     # FlopCounterMode the first time this shape is seen
+        loss = model(**move_to_device(micro_batch, device)).loss
+        loss.backward()
+    step_flops = meter.flops(micro_batch)              # model FLOPs of that forward + backward
+    mfu = step_flops / step_time / 1e12 / peak_tflops(device, "bf16")
+
+What is counted (DESIGN.md): the vision tower too, frozen towers forward only (measured: autograd does not run
+their backward; analytic: 2N instead of 6N per token), and real tokens only: the language model's FLOPs are
+scaled by its share of unpadded tokens (the attention mask). Measured counts are what torch executes for matmuls,
+convolutions and attention kernels (FlopCounterMode's registry); with activation checkpointing they include the
+recomputed forward (hardware FLOPs), the analytic formula never does (model FLOPs, as nanoGPT and torchtitan count).
+The analytic formula: 6·N per token (2·N frozen) + 12·L·H·d·S per token for attention, per tower, N without
+embedding tables (a lookup is not a matmul).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from vlmfast.profiling.phase_timer import find_submodules
+
+__all__ = [
+    "PEAK_TFLOPS",
+    "FlopsMeter",
+    "TowerShape",
+    "analytic_flops",
+    "measure_flops",
+    "peak_tflops",
+    "shape_key",
+    "transformer_flops",
+]
+
+# Dense (no sparsity) peak TFLOP/s from the vendors' data sheets: {name fragment: {precision: TFLOP/s}}. fp32 means
+# plain fp32 (TF32 off); "tf32" is what fp32 matmuls reach with TF32 on. Matched against
+# torch.cuda.get_device_name() in order, so longer names (H100 PCIe) come before shorter ones (H100).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
+    "H800": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "GH200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "A800": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
+    "L40": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "A6000": {"bf16": 154.8, "fp16": 154.8, "tf32": 77.4, "fp32": 38.7},
+    "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+    "MI300X": {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4},
+    "MI250X": {"bf16": 383.0, "fp16": 383.0, "fp32": 95.7},
+}
+
+
+def peak_tflops(device: torch.device | str, precision: str = "fp32", tf32: bool = False,
+                override: float | None = None, device_name: str | None = None) -> float | None:
+    """The device's dense peak TFLOP/s at `precision` (override wins); None on CPU or for an unknown GPU."""
+    if override is not None:
+        return override
+    device = torch.device(device)
+    if device.type != "cuda" and device_name is None:
+        return None
+    name = device_name or torch.cuda.get_device_name(device)
+    key = "tf32" if precision == "fp32" and tf32 else precision
+    for fragment, peaks in PEAK_TFLOPS.items():
+        if fragment.lower() in name.lower():
+            return peaks.get(key, peaks.get("fp32"))
+    return None
+
+
+# ---- measured -----------------------------------------------------------------------------------------------
+@dataclass
+class MeasuredFlops:
+    """FLOPs of one forward+backward: the total and per sub-model (`vision`, `projector`, `language_model`)."""
+
+    total: float
+    by_role: dict[str, float]
+    lm_tokens: int | None = None  # tokens (padded) the language model ran on, for the real-token correction
+
+
+def measure_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+    """FLOPs torch executes in ``fn(*args, **kwargs)`` (e.g. a forward + backward), by FlopCounterMode."""
+    with FlopCounterMode(display=False) as mode:
+        fn(*args, **kwargs)
+    return float(mode.get_total_flops())
+
+
+def shape_key(batch: Any) -> tuple:
+    """The shape bucket of a batch: the shapes and dtypes of its tensors (what determines the FLOPs)."""
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape), str(batch.dtype))
+    if isinstance(batch, Mapping):
+        return tuple((key, shape_key(value)) for key, value in sorted(batch.items(), key=lambda kv: str(kv[0])))
+    if isinstance(batch, (list, tuple)):
+        return tuple(shape_key(value) for value in batch)
+    return ()
+
+
+def real_token_fraction(batch: Any, lm_tokens: int | None) -> float:
+    """Share of the language model's tokens that are not padding, from the attention mask (1.0 without one)."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.numel() == 0:
+        return 1.0
+    padding = mask.numel() - int(mask.sum())  # call on the host batch: no device sync
+    total = lm_tokens if lm_tokens and lm_tokens >= mask.numel() else mask.numel()
+    return 1.0 - padding / total
+
+
+class FlopsMeter:
+    """Model FLOPs per micro-batch, measured once per shape bucket (or by formula); see the module docstring."""
+
+    def __init__(self, model: nn.Module, method: str = "measured") -> None:
+        if method not in ("measured", "analytic"):
+            raise ValueError(f"profile.flops must be 'measured' or 'analytic', got {method!r}")
+        self.model = model
+        self.method = method
+        self.buckets: dict[tuple, MeasuredFlops] = {}
+        self._roles = find_submodules(model)
+
+    def count(self, micro_batch: Any) -> contextlib.AbstractContextManager[None]:
+        """Wrap the forward + backward of `micro_batch`: counted under FlopCounterMode if its shape is new."""
+        if self.method == "analytic" or shape_key(micro_batch) in self.buckets:
+            return contextlib.nullcontext()
+        return self._measure(shape_key(micro_batch))
+
+    def flops(self, micro_batch: Any) -> float:
+        """Model FLOPs of one forward + backward of `micro_batch` (pass the host batch: the mask is read)."""
+        if self.method == "analytic":
+            return analytic_flops(self.model, micro_batch)
+        measured = self.buckets.get(shape_key(micro_batch))
+        if measured is None:
+            return 0.0  # shape not measured yet (the caller skipped count()): no figure rather than a wrong one
+        lm = measured.by_role.get("language_model", measured.total if not measured.by_role else 0.0)
+        return measured.total - lm * (1.0 - real_token_fraction(micro_batch, measured.lm_tokens))
+
+    @contextlib.contextmanager
+    def _measure(self, key: tuple) -> Iterator[None]:
+        lm_tokens: list[int] = []
+        handle = None
+        if "language_model" in self._roles:
+            handle = self._roles["language_model"].register_forward_pre_hook(
+                lambda module, args, kwargs: lm_tokens.append(_leading_tokens(args, kwargs)), with_kwargs=True)
+        mode = FlopCounterMode(display=False)
+        try:
+            with mode:
+                yield
+        finally:
+            if handle is not None:
+                handle.remove()
+        self.buckets[key] = MeasuredFlops(float(mode.get_total_flops()), self._by_role(mode),
+                                          lm_tokens[0] if lm_tokens else None)
+
+    def _by_role(self, mode: FlopCounterMode) -> dict[str, float]:
+        counts = mode.get_flop_counts()
+        names = {id(module): name for name, module in self.model.named_modules()}
+        root = type(self.model).__name__
+        by_role = {}
+        for role, module in self._roles.items():
+            path = f"{root}.{names[id(module)]}"
+            by_role[role] = float(sum(counts.get(path, {}).values()))
+        return by_role
+
+
+def _leading_tokens(args: tuple, kwargs: dict) -> int:
+    """batch x sequence of the first tensor input of the language model (input_ids or inputs_embeds)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0] * value.shape[1])
+    return 0
+
+
+# ---- analytic -----------------------------------------------------------------------------------------------
+@dataclass
+class TowerShape:
+    """One transformer tower for the analytic count: matmul parameters, layers, heads, head size, sequence."""
+
+    params: int  # parameters in matmuls (embedding tables excluded)
+    layers: int
+    heads: int
+    head_dim: int
+    seq_len: int  # tokens each token attends over (padded sequence length)
+    tokens: int  # tokens processed this micro-batch (real, unpadded)
+    trainable: bool = True
+
+
+def transformer_flops(tower: TowerShape) -> float:
+    """Training FLOPs of a tower: (6N + 12·L·H·d·S) per token; forward only (2N + 4·L·H·d·S) when frozen."""
+    dense, attention = (6, 12) if tower.trainable else (2, 4)
+    per_token = dense * tower.params + attention * tower.layers * tower.heads * tower.head_dim * tower.seq_len
+    return float(per_token * tower.tokens)
+
+
+def analytic_flops(model: nn.Module, micro_batch: Mapping[str, Any]) -> float:
+    """Formula FLOPs of one forward + backward of a transformer or VLM (config as TinyVLM or Hugging Face names)."""
+    return sum(transformer_flops(tower) for tower in describe_towers(model, micro_batch))
+
+
+def describe_towers(model: nn.Module, batch: Mapping[str, Any]) -> list[TowerShape]:
+    """The vision tower, projector and language model as TowerShapes, from the model config and the batch."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"profile.flops: analytic needs a model with a .config ({type(model).__name__} has none); "
+                         "use profile.flops: measured")
+    roles = find_submodules(model)
+    text, vision = _text_config(config), _vision_config(config)
+    input_ids = batch.get("input_ids")
+    if text is None or not isinstance(input_ids, torch.Tensor):
+        raise ValueError("profile.flops: analytic needs input_ids in the batch and a config with layer/head counts "
+                         "(num_hidden_layers, num_attention_heads, hidden_size); use profile.flops: measured")
+    samples, text_len = input_ids.shape[:2]
+    mask = batch.get("attention_mask")
+    real_text = int(mask.sum()) if isinstance(mask, torch.Tensor) else samples * text_len
+    towers = []
+    image_tokens = 0
+    if vision is not None and "vision" in roles and isinstance(batch.get("pixel_values"), torch.Tensor):
+        layers, heads, dim, patches = vision
+        images = batch["pixel_values"].shape[0]
+        image_tokens = patches * images if getattr(config, "num_image_tokens", None) else 0  # LLaVA-HF: in input_ids
+        towers.append(_tower(roles["vision"], layers, heads, dim // heads, patches, patches * images))
+        if "projector" in roles:
+            towers.append(_tower(roles["projector"], 0, 0, 0, 0, patches * images))
+    layers, heads, dim, _ = text
+    lm = roles.get("language_model", model)
+    seq = text_len + image_tokens // max(samples, 1)
+    towers.append(_tower(lm, layers, heads, dim // heads, seq, real_text + image_tokens))
+    return towers
+
+
+def _tower(module: nn.Module, layers: int, heads: int, head_dim: int, seq_len: int, tokens: int) -> TowerShape:
+    params = matmul_params(module)
+    trainable = any(p.requires_grad for p in module.parameters())
+    return TowerShape(params, layers, heads, head_dim, seq_len, tokens, trainable)
+
+
+def matmul_params(module: nn.Module) -> int:
+    """Parameters of `module` outside embedding tables (tied weights counted once, where a matmul uses them)."""
+    embedding = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    tied_to_matmul = {id(p) for m in module.modules() if not isinstance(m, nn.Embedding)
+                      for p in m.parameters(recurse=False)}
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():  # module.parameters() already yields a shared tensor once
+        if id(p) not in seen and (id(p) not in embedding or id(p) in tied_to_matmul):
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def _text_config(config: Any) -> tuple[int, int, int, int] | None:
+    if hasattr(config, "text_layers"):  # vlmfast TinyVLM
+        return config.text_layers, config.text_heads, config.text_dim, 0
+    text = getattr(config, "text_config", None) or config
+    if all(hasattr(text, key) for key in ("num_hidden_layers", "num_attention_heads", "hidden_size")):
+        return text.num_hidden_layers, text.num_attention_heads, text.hidden_size, 0
+    return None
+
+
+def _vision_config(config: Any) -> tuple[int, int, int, int] | None:
+    if hasattr(config, "vision_layers"):  # vlmfast TinyVLM
+        return config.vision_layers, config.vision_heads, config.vision_dim, config.num_image_tokens
+    vision = getattr(config, "vision_config", None)
+    if vision is not None and all(hasattr(vision, k) for k in ("num_hidden_layers", "num_attention_heads",
+                                                              "hidden_size", "image_size", "patch_size")):
+        patches = (vision.image_size // vision.patch_size) ** 2
+        return vision.num_hidden_layers, vision.num_attention_heads, vision.hidden_size, patches
+    return None

@@ -1,0 +1,322 @@
+"""Where a training step's time goes: data wait, host-to-device copy, forward, backward, optimizer, communication.
+
+Usage::
+
+    timer = PhaseTimer(device, every_steps=10)
+    timer.attach(model)                       # optional: vision / projector / language-model forward times
+    for step in range(1, steps + 1):
+        timer.begin_step(step)
+        with timer.phase("data_wait"):
+            batch = next(loader)
+        with timer.phase("h2d"):
+            batch = move_to_device(batch, device)
+        with timer.phase("forward"):
+            loss = model(**batch).loss
+        with timer.phase("backward"):
+            loss.backward()
+        with timer.phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+        metrics.update(timer.end_step())      # perf/* on sampled steps, {} on the others
+    report.update(timer.summary())            # step time p50/p90/p99, phase shares, MFU
+
+Only every `every_steps`-th step is sampled. On a sampled step each phase is timed by CUDA events on the current
+stream (GPU) or the wall clock (CPU), and `end_step` waits for the step's last event: one host-device sync per
+sampled step, none on the others, where `phase()` returns a shared no-op context. A phase may be entered several
+times per step (once per micro-batch); its times add up. Top-level phases must not nest; whatever no phase covers is
+reported as `perf/other_time`, so the phases and "other" sum to the step time.
+
+On CUDA, sampled forward/backward phases also count the host-device synchronisations they cause (`.item()`,
+`.cpu()`, `.tolist()`, data-dependent shapes) through torch's sync debug mode: `perf/host_syncs`.
+Gradient all-reduce inside DDP's backward is measured by wrapping the communication hook: :func:`timed_comm_hook`
+(`perf/comm_hook_time`: time from a bucket's hook call to its all-reduce finishing, overlapped with backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["PHASES", "SUBMODULE_NAMES", "PhaseTimer", "find_submodules", "percentile", "timed_comm_hook"]
+
+# Top-level phases, in step order. They tile the step (no nesting), so with "other" they sum to the step time.
+PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "comm")
+# Sub-model name (reported as perf/<name>_forward_time) -> attribute names that VLM implementations use for it.
+SUBMODULE_NAMES = {
+    "vision": ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder"),
+    "projector": ("multi_modal_projector", "mm_projector", "projector", "connector", "vision_proj"),
+    "language_model": ("language_model", "text_model", "llm"),
+}
+_NO_OP = contextlib.nullcontext()
+_SYNC_WARNING = "synchroniz"  # torch's sync debug mode warns "called a synchronizing CUDA operation"
+
+
+def _nvtx(name: str, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.nvtx.range(name) if enabled else _NO_OP
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def find_submodules(model: nn.Module) -> dict[str, nn.Module]:
+    """The vision tower, projector and language model of a VLM by their usual attribute names (shallowest match)."""
+    found: dict[str, nn.Module] = {}
+    for path, module in model.named_modules():  # breadth of names: HF nests them under .model
+        leaf = path.rsplit(".", 1)[-1]
+        for role, names in SUBMODULE_NAMES.items():
+            if role not in found and leaf in names:
+                found[role] = module
+    return found
+
+
+class PhaseTimer:
+    """Per-phase step times, sampled every `every_steps` steps; see the module docstring."""
+
+    def __init__(self, device: torch.device, every_steps: int = 10, warmup_steps: int = 1,
+                 peak_tflops: float | None = None, nvtx: bool = False) -> None:
+        if every_steps < 1:
+            raise ValueError(f"PhaseTimer every_steps must be >= 1, got {every_steps}")
+        self.device = torch.device(device)
+        self.every_steps = every_steps
+        self.warmup_steps = warmup_steps  # first steps (allocator warm-up, lazy init) are never sampled
+        self.peak_tflops = peak_tflops  # for perf/mfu; None: TFLOP/s only
+        self.sampling = False
+        self._cuda = self.device.type == "cuda"
+        self.nvtx = nvtx and self._cuda  # NVTX ranges on every step (push/pop cost ~1 us), for Nsight Systems
+        self._steps_begun = 0
+        self._step_start = 0.0
+        self._step_flops = 0.0
+        self._phase_name: str | None = None
+        # (name, start mark, end mark, index of the enclosing phase or -1): a nested phase's time is taken out of
+        # the enclosing one (e.g. an all-reduce "comm" inside "optimizer"), so phases never count twice.
+        self._intervals: list[tuple[str, Any, Any, int]] = []
+        self._open: list[int] = []  # indices of the phases entered and not yet left
+        self._host_syncs = 0
+        self._last_recorded = (False, False)  # did the last end_step add a step time / a sample
+        self.step_times: list[float] = []  # wall-clock time of every non-warm-up step (for percentiles)
+        self.samples: list[dict[str, float]] = []  # end_step() of every sampled step
+        self._hooks: list[Any] = []
+
+    # ---- the loop's calls -----------------------------------------------------------------------------------
+    def attach(self, model: nn.Module) -> list[str]:
+        """Time the forward of the vision tower / projector / language model when the model has them (returns which)."""
+        found = find_submodules(model)
+        for role, module in found.items():
+            self._hooks.append(module.register_forward_pre_hook(self._submodule_start(role)))
+            self._hooks.append(module.register_forward_hook(self._submodule_end(role), always_call=True))
+        return list(found)
+
+    def detach(self) -> None:
+        """Remove the sub-model hooks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def begin_step(self, step: int) -> None:
+        """Start a step (call before the batch is fetched); decides whether this step is sampled."""
+        self._steps_begun += 1
+        self.sampling = self._steps_begun > self.warmup_steps and step % self.every_steps == 0
+        self._intervals.clear()
+        self._open.clear()
+        self._host_syncs = 0
+        self._step_flops = 0.0
+        self._step_start = time.perf_counter()
+        if self.sampling:
+            self._begin_mark = self._mark()
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Time `name` (one of PHASES) on a sampled step; a shared no-op on the others."""
+        if not self.sampling:
+            return torch.cuda.nvtx.range(f"vlmfast/{name}") if self.nvtx else _NO_OP
+        if name not in PHASES:
+            raise ValueError(f"unknown phase '{name}'; use one of {', '.join(PHASES)}")
+        return self._timed_phase(name)
+
+    def add_flops(self, flops: float) -> None:
+        """FLOPs done in this step (e.g. from vlmfast.profiling.flops.FlopsMeter); gives perf/tflops and perf/mfu."""
+        self._step_flops += flops
+
+    def end_step(self) -> dict[str, float]:
+        """Finish the step: perf/* metrics on a sampled step, {} otherwise."""
+        wall = time.perf_counter() - self._step_start
+        self._last_recorded = (self._steps_begun > self.warmup_steps, self.sampling)
+        if self._last_recorded[0]:
+            self.step_times.append(wall)
+        if not self.sampling:
+            return {}
+        self.sampling = False
+        end_mark = self._mark()
+        metrics = self._sampled_metrics(self._elapsed(self._begin_mark, end_mark), self._phase_times())
+        self.samples.append(metrics)
+        return metrics
+
+    def discard_last(self) -> None:
+        """Leave the last step out of the statistics (e.g. it ran under torch.profiler, which slows it)."""
+        timed, sampled = self._last_recorded
+        if timed:
+            self.step_times.pop()
+        if sampled:
+            self.samples.pop()
+        self._last_recorded = (False, False)
+
+    def summary(self) -> dict[str, float]:
+        """Step time p50/p90/p99 (every step) and mean phase shares, TFLOP/s and MFU (sampled steps)."""
+        out: dict[str, float] = {}
+        if self.step_times:
+            out |= {f"perf/step_time_p{q}": percentile(self.step_times, q / 100) for q in (50, 90, 99)}
+            out["perf/step_time_mean"] = sum(self.step_times) / len(self.step_times)
+        if not self.samples:
+            return out
+        total = sum(s["perf/step_time"] for s in self.samples) or 1e-12
+        for key in sorted({k for s in self.samples for k in s}):
+            if key.endswith("_time") and key != "perf/step_time":
+                out[key.removesuffix("_time") + "_share"] = sum(s.get(key, 0.0) for s in self.samples) / total
+        out["perf/data_wait_ratio"] = out.get("perf/data_wait_share", 0.0)
+        out["perf/sampled_steps"] = float(len(self.samples))
+        flops = sum(s.get("perf/flops", 0.0) for s in self.samples)
+        if flops:
+            out["perf/tflops"] = flops / total / 1e12
+            if self.peak_tflops:
+                out["perf/mfu"] = out["perf/tflops"] / self.peak_tflops
+        return out
+
+    # ---- measurement ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _timed_phase(self, name: str) -> Iterator[None]:
+        outer, self._phase_name = self._phase_name, name
+        index = len(self._intervals)
+        self._intervals.append((name, self._mark(), None, self._open[-1] if self._open else -1))
+        self._open.append(index)
+        try:
+            with self._count_host_syncs(name), _nvtx(f"vlmfast/{name}", self.nvtx):
+                yield
+        finally:
+            self._open.pop()
+            name, start, _, parent = self._intervals[index]
+            self._intervals[index] = (name, start, self._mark(), parent)
+            self._phase_name = outer
+
+    @contextlib.contextmanager
+    def _count_host_syncs(self, name: str) -> Iterator[None]:
+        # Only where user code runs (model, loss); the trainer's own once-per-step sync is not the user's doing.
+        if not (self._cuda and name in ("forward", "backward")):
+            yield
+            return
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        self._host_syncs += sum(_SYNC_WARNING in str(w.message) for w in caught)
+        for w in caught:  # hand the other warnings on
+            if _SYNC_WARNING not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+    def record_interval(self, name: str, start: Any, end: Any) -> None:
+        """Add a measured interval (marks from :meth:`mark`), e.g. from a communication hook."""
+        self._intervals.append((name, start, end, -1))
+
+    def mark(self) -> Any:
+        """A point in time on this device's timeline (a recorded CUDA event, or perf_counter on CPU)."""
+        return self._mark()
+
+    def _mark(self) -> Any:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _elapsed(self, start: Any, end: Any) -> float:
+        if self._cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def _phase_times(self) -> dict[str, float]:
+        durations = [self._elapsed(start, end) if end is not None else 0.0 for _, start, end, _ in self._intervals]
+        exclusive = list(durations)
+        for (_, _, _, parent), seconds in zip(self._intervals, durations, strict=True):
+            if parent >= 0:
+                exclusive[parent] -= seconds
+        times: dict[str, float] = defaultdict(float)
+        for (name, _, _, _), seconds in zip(self._intervals, exclusive, strict=True):
+            times[name] += max(seconds, 0.0)
+        return times
+
+    def _sampled_metrics(self, step_time: float, times: dict[str, float]) -> dict[str, float]:
+        metrics = {"perf/step_time": step_time}
+        covered = 0.0
+        for name, seconds in times.items():
+            metrics[f"perf/{name}_time"] = seconds
+            covered += seconds if name in PHASES else 0.0
+        metrics["perf/other_time"] = max(step_time - covered, 0.0)
+        metrics["perf/data_wait_ratio"] = times.get("data_wait", 0.0) / step_time if step_time > 0 else 0.0
+        if self._cuda:
+            metrics["perf/host_syncs"] = float(self._host_syncs)
+        if self._step_flops:
+            metrics["perf/flops"] = self._step_flops
+            metrics["perf/tflops"] = self._step_flops / step_time / 1e12
+            if self.peak_tflops:
+                metrics["perf/mfu"] = metrics["perf/tflops"] / self.peak_tflops
+        return metrics
+
+    # ---- sub-model hooks ------------------------------------------------------------------------------------
+    def _submodule_start(self, role: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            # Forward phase only: activation-checkpoint recomputation in backward re-enters modules.
+            if self.sampling and self._phase_name == "forward":
+                module._vlmfast_phase_start = self._mark()  # type: ignore[attr-defined]
+
+        return hook
+
+    def _submodule_end(self, role: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            start = module.__dict__.pop("_vlmfast_phase_start", None)
+            if start is not None and self.sampling:
+                self._intervals.append((f"{role}_forward", start, self._mark(), -1))
+
+        return hook
+
+
+def timed_comm_hook(timer: PhaseTimer, hook: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """Wrap a DDP communication hook (default: plain all-reduce) so sampled steps report `perf/comm_hook_time`.
+
+    Usage: ``ddp_model.register_comm_hook(state, timed_comm_hook(timer, fp16_compress_hook))`` (DDP takes one hook,
+    so wrap the one you would register; with no hook, pass the process group or None as state).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    inner = hook or allreduce_hook
+
+    def timed(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations that are strings
+        if not timer.sampling:
+            return inner(state, bucket)
+        start = timer.mark()
+        future = inner(state, bucket)
+
+        def finished(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            timer.record_interval("comm_hook", start, timer.mark())
+            return done.value()
+
+        return future.then(finished)
+
+    return timed
