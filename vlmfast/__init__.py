@@ -6,6 +6,7 @@ Usage::
     result = OptimizedTrainer(model, dataset, TrainSpec.from_file("run.yaml"), collate_fn=collate).fit()
 """
 
+import vlmfast.attention as attention  # callable: vlmfast.attention(q, k, v, ...) dispatches to the active backend
 from vlmfast.callbacks import Callback
 from vlmfast.spec import SpecError, TrainSpec
 from vlmfast.trainer import FitResult, NonFiniteLossError, OptimizedTrainer, TrainState
@@ -21,4 +22,5 @@ __all__ = [
     "TrainSpec",
     "TrainState",
     "__version__",
+    "attention",
 ]

@@ -9,6 +9,8 @@ Usage::
     vlmfast spec --defaults > run.yaml     # a commented template of every field
     vlmfast spec --schema                  # the JSON schema
     vlmfast spec --check run.yaml          # validate a spec without running anything
+    vlmfast doctor run.yaml                # profile a few steps: what is slow and which flag to turn on next
+    vlmfast shards write images/ shards/ --max-count 1000   # a folder or JSONL -> WebDataset tar shards
 """
 
 from __future__ import annotations
@@ -64,11 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     finder.add_argument("--margin", type=float, default=0.9, help="safety margin (fraction of device memory)")
     finder.set_defaults(run=_cmd_find_batch_size)
 
+    from vlmfast.data.shards_cli import add_shards_command
     from vlmfast.memory.estimate_cli import add_estimate_memory_parser
     from vlmfast.profiling.doctor_cli import add_doctor_command
 
     add_estimate_memory_parser(sub)
     add_doctor_command(sub)
+    add_shards_command(sub)
 
     spec = sub.add_parser("spec", help="print the spec schema or a commented defaults template, or check a file")
     group = spec.add_mutually_exclusive_group(required=True)

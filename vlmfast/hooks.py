@@ -10,13 +10,39 @@ Usage::
     precision.optimizer_step(optimizer); optimizer.zero_grad(set_to_none=True)
 """
 
+from vlmfast.attention import (
+    record_attention_calls,
+    set_attention_backend,
+    trace_attention_kernels,
+    use_attention_backend,
+)
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmfast.data.autotune import autotune_num_workers
 from vlmfast.data.batch import move_to_device, split_batch
+from vlmfast.data.images import BatchImagePreprocessor, preprocess_images
+from vlmfast.data.mmap import MemmapTensorDataset, MemmapTokenDataset, write_tensors, write_token_sequences
+from vlmfast.data.packing import PackingCollator, build_packing_collator, count_packed_tokens, pack_documents, plan_rows
+from vlmfast.data.prefetch import DevicePrefetcher
+from vlmfast.data.samplers import LengthGroupedSampler, dataset_lengths, padding_waste
+from vlmfast.data.shards import ShardDataset, write_shards
 from vlmfast.distributed import init_distributed, register_comm_hook, wrap_ddp
+from vlmfast.distributed.deepspeed_engine import build_deepspeed_config
+from vlmfast.distributed.fsdp import full_state_dict, load_full_state_dict, shard_model
+from vlmfast.evaluation import evaluate_loss
 from vlmfast.interrupt import InterruptGuard
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb
+from vlmfast.profiling import (
+    FlopsMeter,
+    PhaseTimer,
+    RunProfiler,
+    StepProfiler,
+    diagnose,
+    measure_flops,
+    peak_tflops,
+    timed_comm_hook,
+)
 from vlmfast.strategies.accumulation import (
     accumulate_gradients,
     all_reduce_gradients,
@@ -32,6 +58,7 @@ from vlmfast.strategies.checkpointing import (
     detach_frozen_modules,
     saved_tensor_bytes,
 )
+from vlmfast.strategies.compile import CompileResult, compile_model
 from vlmfast.strategies.oom import OOMFallback, free_memory, is_oom_error, set_expandable_segments
 from vlmfast.strategies.optimizer import (
     build_optimizer,
@@ -44,42 +71,79 @@ from vlmfast.strategies.optimizer import (
 from vlmfast.strategies.precision import MixedPrecision, autocast_context, enable_tf32
 
 __all__ = [
+    "BatchImagePreprocessor",
+    "CompileResult",
+    "DevicePrefetcher",
+    "FlopsMeter",
     "InterruptGuard",
+    "LengthGroupedSampler",
+    "MemmapTensorDataset",
+    "MemmapTokenDataset",
     "MixedPrecision",
     "OOMFallback",
+    "PackingCollator",
+    "PhaseTimer",
+    "RunProfiler",
+    "ShardDataset",
+    "StepProfiler",
     "accumulate_gradients",
     "all_reduce_gradients",
     "apply_activation_checkpointing",
     "autocast_context",
+    "autotune_num_workers",
+    "build_deepspeed_config",
     "build_optimizer",
+    "build_packing_collator",
     "build_param_groups",
     "build_scheduler",
     "checkpoint_call",
     "clip_gradients",
+    "compile_model",
     "count_loss_tokens",
+    "count_packed_tokens",
+    "dataset_lengths",
     "detach_frozen_modules",
+    "diagnose",
     "enable_tf32",
+    "evaluate_loss",
     "extract_loss",
     "find_max_micro_batch_size",
     "free_memory",
     "freeze_modules",
+    "full_state_dict",
     "init_distributed",
     "is_oom_error",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_full_state_dict",
     "lr_multiplier",
+    "measure_flops",
     "memory_stats",
     "memory_summary",
     "model_accepts_num_items",
     "model_shifts_labels",
     "move_to_device",
     "oom_advice",
+    "pack_documents",
+    "padding_waste",
     "peak_memory_gb",
+    "peak_tflops",
+    "plan_rows",
+    "preprocess_images",
+    "record_attention_calls",
     "register_comm_hook",
     "save_checkpoint",
     "saved_tensor_bytes",
+    "set_attention_backend",
     "set_expandable_segments",
+    "shard_model",
     "split_batch",
     "sync_context",
+    "timed_comm_hook",
+    "trace_attention_kernels",
+    "use_attention_backend",
     "wrap_ddp",
+    "write_shards",
+    "write_tensors",
+    "write_token_sequences",
 ]

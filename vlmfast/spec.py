@@ -275,8 +275,8 @@ class DataSpec(Section):
         None, ge=1, description="num_workers auto: largest count tried (default: CPU count, lowered to fit memory)"
     )
     device_prefetch: bool = Field(
-        False, description="copy the next batch to the device while the current step computes (side CUDA stream, "
-        "non_blocking from pinned memory); on CPU batches are still fetched one step ahead"
+        False, description="load and copy the next batches to the device in a background thread while the step "
+        "computes (side CUDA stream, non_blocking from pinned memory); on CPU it still loads ahead"
     )
     device_image_size: int | None = Field(
         None, ge=1, description="resize + normalise the batch's raw images (key image_key: a list of uint8 [3, H, W] "
@@ -535,6 +535,13 @@ class TrainSpec(Section):
     def resolved_micro_batch_size(self) -> int:
         """The micro-batch size, with the default (the whole batch) filled in."""
         return self.micro_batch_size or self.batch_size
+
+    @classmethod
+    def coerce(cls, spec: TrainSpec | dict[str, Any] | str | Path) -> TrainSpec:
+        """A spec from a TrainSpec, a dict, or a .yaml/.yml/.json path."""
+        if isinstance(spec, TrainSpec):
+            return spec
+        return cls.from_file(spec) if isinstance(spec, (str, Path)) else cls.model_validate(spec)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainSpec:

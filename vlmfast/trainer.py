@@ -13,6 +13,7 @@ micro-batch size (Composer's design).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
@@ -35,6 +36,8 @@ from vlmfast.checkpoint import (
 )
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
+from vlmfast.data.packing import build_packing_collator, count_packed_tokens
+from vlmfast.data.prefetch import device_batches
 from vlmfast.distributed.backend import build_backend
 from vlmfast.distributed.ddp import explain_ddp_error
 from vlmfast.distributed.process_group import apply_nccl_presets, init_distributed
@@ -55,8 +58,10 @@ from vlmfast.strategies.accumulation import (
     scale_gradients,
     sync_context,
 )
+from vlmfast.strategies.attention import AttentionBackend
 from vlmfast.strategies.base import Strategy
 from vlmfast.strategies.checkpointing import ActivationCheckpointing
+from vlmfast.strategies.compile import TorchCompile
 from vlmfast.strategies.oom import OOMFallback
 from vlmfast.strategies.optimizer import Optimization
 from vlmfast.strategies.precision import MixedPrecision
@@ -111,7 +116,7 @@ class OptimizedTrainer:
         eval_data: Dataset | DataLoader | None = None,
         callbacks: Sequence[Callback] = (),
     ) -> None:
-        self.spec = _as_spec(spec)
+        self.spec = TrainSpec.coerce(spec)
         check_environment(self.spec)  # fail before any work
         apply_nccl_presets(self.spec.ddp.nccl_presets)  # NCCL reads its environment when the group starts
         env = init_distributed(self.spec.ddp.timeout_minutes)  # before the device: binds this rank to its GPU
@@ -129,29 +134,11 @@ class OptimizedTrainer:
 
         self.backend = build_backend(self.spec, self.device, self.world_size)
         self.deepspeed = self.backend if self.backend.name == "deepspeed" else None  # it also owns backward/step
-        # DeepSpeed (bf16 weights + fp32 masters) and FSDP (its mixed-precision policy) own precision: no autocast.
-        precision = "fp32" if self.backend.owns_precision else self.spec.precision
-        self.precision = MixedPrecision(precision, self.device, tf32=self.spec.tf32)
-        loss = self.spec.loss
-        self.accumulation = GradientAccumulation(
-            mbs, weighting=loss.weighting, label_key=loss.label_key, ignore_index=loss.ignore_index,
-            shift_labels=loss.shift_labels, loss_fn=loss_fn, world_size=self.world_size,
-        )
-        self.optimization = Optimization(self.spec, self.device)
-        self.strategies: list[Strategy] = [self.precision, self.accumulation, self.optimization]
-        if self.spec.activation_checkpointing.enabled:  # after Optimization: it must see which modules are frozen
-            self.strategies.append(ActivationCheckpointing(self.spec.activation_checkpointing))
-        self.memory_monitor = self._build_memory_monitor()
-        self.oom: OOMFallback | None = None
-        if self.spec.oom.enabled:
-            dump = self.memory_monitor.dump_snapshot if self.spec.memory.record_history and self.spec.log.dir else None
-            self.oom = OOMFallback(self.spec.oom, mbs, describe_memory=self._describe_memory, on_oom=dump)
-            self.strategies.append(self.oom)
+        self.strategies = self._build_strategies(loss_fn)
         model = model.to(self.device)
         for strategy in self.strategies:
             model = strategy.apply(model)
-        model = self.backend.wrap(model, self.optimization)  # last: strategies change the plain model
-        self.model = model
+        self.model = model = self.backend.wrap(model, self.optimization)  # last: strategies change the plain model
         self.timer = RunProfiler(self.spec.profile, model, self.device, precision=self.spec.precision,
                                  tf32=self.spec.tf32, log_dir=self.spec.log.dir, is_main_process=self.is_main_process)
         # DDP + OOM fallback: DDP's in-backward all-reduce would strand a peer whose rank hit the OOM, so gradients
@@ -163,10 +150,41 @@ class OptimizedTrainer:
         self._backward = self.deepspeed.backward if self.deepspeed else self.precision.backward
         self._context_strategies = [s for s in self.strategies
                                     if type(s).forward_context is not Strategy.forward_context]
-
+        if self.spec.packing.enabled:  # after apply: accumulation resolved whether the model shifts labels
+            self.collate_fn = build_packing_collator(
+                self.spec.packing, _unwrap(model), collate_fn, shift_labels=bool(self.accumulation.shift_labels),
+                ignore_index=self.spec.loss.ignore_index)
         pin = self.spec.data.pin_memory if self.spec.data.pin_memory is not None else self.device.type == "cuda"
-        self.loader = ResumableLoader(train_data, self.spec.batch_size, self.spec.data, self.spec.seed,
-                                      collate_fn, pin_memory=pin, rank=self.rank, world_size=self.world_size)
+        self.loader = device_batches(  # data.device_prefetch: the next batch is copied while this step runs
+            ResumableLoader(train_data, self.spec.batch_size, self.spec.data, self.spec.seed, self.collate_fn,
+                            pin_memory=pin, rank=self.rank, world_size=self.world_size), self.spec.data, self.device)
+
+    def _build_strategies(self, loss_fn: LossFn | None) -> list[Strategy]:
+        """The strategies the spec turns on, in the order they change the model (the backend wraps it last)."""
+        spec, mbs = self.spec, self.spec.resolved_micro_batch_size
+        # DeepSpeed (bf16 weights + fp32 masters) and FSDP (its mixed-precision policy) own precision: no autocast.
+        precision = "fp32" if self.backend.owns_precision else spec.precision
+        self.precision = MixedPrecision(precision, self.device, tf32=spec.tf32)
+        loss = spec.loss
+        self.accumulation = GradientAccumulation(
+            mbs, weighting=loss.weighting, label_key=loss.label_key, ignore_index=loss.ignore_index,
+            shift_labels=loss.shift_labels, loss_fn=loss_fn, world_size=self.world_size,
+        )
+        self.optimization = Optimization(spec, self.device)
+        strategies: list[Strategy] = [self.precision, self.accumulation, self.optimization]
+        if spec.attention.backend is not None:
+            strategies.append(AttentionBackend(spec.attention, precision=spec.precision))
+        if spec.activation_checkpointing.enabled:  # after Optimization: it must see which modules are frozen
+            strategies.append(ActivationCheckpointing(spec.activation_checkpointing))
+        self.memory_monitor = self._build_memory_monitor()
+        self.oom: OOMFallback | None = None
+        if spec.oom.enabled:
+            dump = self.memory_monitor.dump_snapshot if spec.memory.record_history and spec.log.dir else None
+            self.oom = OOMFallback(spec.oom, mbs, describe_memory=self._describe_memory, on_oom=dump)
+            strategies.append(self.oom)
+        if spec.compile.enabled:  # last: it traces the checkpointed blocks; the backend (DDP) wraps the compiled model
+            strategies.append(TorchCompile(spec.compile))
+        return strategies
 
     def _build_memory_monitor(self) -> MemoryMonitor | None:
         """Leak detection, allocator history and the timeline plot, fed by the trainer's memory readings."""
@@ -232,6 +250,7 @@ class OptimizedTrainer:
             if self.is_main_process:
                 metrics_logger.write(result.report.to_text())
                 self._write_report(result.report)
+        getattr(self.loader, "close", lambda: None)()  # the prefetch thread, if any
         self._fire("on_fit_end", result)
         return result
 
@@ -246,7 +265,7 @@ class OptimizedTrainer:
         self.state.micro_batch_size = self.accumulation.micro_batch_size
         self.state.accumulation_steps = len(plan.micro_batches)
         samples = batch_size_of(batch)
-        tokens = count_input_tokens(batch)
+        tokens = count_packed_tokens(batch) if self.spec.packing.enabled else count_input_tokens(batch)
         self.state.samples_seen += samples * self.world_size
         self.state.tokens_seen += tokens * self.world_size
         metrics = {"step": self.state.step, "loss": loss, "lr": lr,
@@ -338,7 +357,7 @@ class OptimizedTrainer:
         values = (torch.stack([loss, norm.float()]) if norm is not None else loss.reshape(1)).tolist()  # one sync
         loss_value, norm_value = values[0], (values[1] if norm is not None else None)
         scaler_owns_grads = self.precision.scaler is not None  # fp16: inf grads are the GradScaler's business
-        finite = _finite(loss_value) and (scaler_owns_grads or norm_value is None or _finite(norm_value))
+        finite = math.isfinite(loss_value) and (scaler_owns_grads or norm_value is None or math.isfinite(norm_value))
         if not finite:
             self._handle_nonfinite(loss_value, norm_value)
             self.precision.skip_step()
@@ -356,7 +375,7 @@ class OptimizedTrainer:
                             "gradients as they come): let loss_fn return the mean loss and set loss.label_key, or "
                             "loss.weighting: samples")
         loss_value = float(loss)
-        finite = _finite(loss_value)
+        finite = math.isfinite(loss_value)
         if not finite:  # raises unless fp16, whose loss scaler skips the overflowing step inside the engine
             self._handle_nonfinite(loss_value, None)
         norm, applied = self.deepspeed.step()
@@ -521,18 +540,7 @@ class OptimizedTrainer:
                 hook(self, *args)
 
 
-def _as_spec(spec: TrainSpec | dict[str, Any] | str | Path) -> TrainSpec:
-    if isinstance(spec, TrainSpec):
-        return spec
-    if isinstance(spec, (str, Path)):
-        return TrainSpec.from_file(spec)
-    return TrainSpec.model_validate(spec)
-
-
 def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
-
-def _finite(value: float) -> bool:
-    return value == value and value not in (float("inf"), float("-inf"))
 

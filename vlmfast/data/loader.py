@@ -2,8 +2,9 @@
 
 Usage::
 
-    loader = ResumableLoader(dataset, batch_size=16, spec=DataSpec(), seed=0, collate_fn=collate)
+    loader = ResumableLoader(dataset, batch_size=16, spec=DataSpec(num_workers="auto"), seed=0, collate_fn=collate)
     batch = next(loader)                       # loader.state_dict() -> {"epoch": 0, "batch_in_epoch": 1}
+    loader.autotune.reason                     # with num_workers auto: the choice and why (also logged)
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from vlmfast.data.autotune import AutotuneResult, autotune_num_workers
+from vlmfast.data.samplers import LengthGroupedSampler, check_groupable, dataset_lengths
 from vlmfast.spec import DataSpec
 
 log = logging.getLogger(__name__)
@@ -77,7 +80,9 @@ class ResumableLoader:
         self.batch_in_epoch = 0
         self._skip = 0
         self._iterator: Iterator[Any] | None = None
-        self.sampler: EpochSampler | None = None
+        self.sampler: EpochSampler | LengthGroupedSampler | None = None
+        self.autotune: AutotuneResult | None = None  # with num_workers auto: the measured choice and why
+        check_groupable(data, spec.group_by_length)  # a stream or a user DataLoader cannot be reordered
         if isinstance(data, DataLoader):
             if data.batch_size is not None and data.batch_size != batch_size:
                 raise ValueError(f"the DataLoader yields batches of {data.batch_size} but batch_size is {batch_size}: "
@@ -87,22 +92,43 @@ class ResumableLoader:
                 log.warning("%d ranks share a user DataLoader without a DistributedSampler: every rank may see the "
                             "same batches; pass the Dataset instead and vlmfast shards it", world_size)
             return
-        kwargs = _loader_kwargs(spec, pin_memory)
         if isinstance(data, IterableDataset):
-            if world_size > 1:
-                log.warning("an IterableDataset must shard itself by rank (torch.distributed.get_rank()); "
-                            "vlmfast cannot split a stream it does not index")
-            self.loader = DataLoader(data, batch_size=batch_size, collate_fn=collate_fn, drop_last=spec.drop_last,
-                                     **kwargs)
-            return
-        num_samples = len(data)  # type: ignore[arg-type]
-        if num_samples // world_size < batch_size:
-            raise ValueError(f"the dataset has {num_samples} samples, fewer than batch_size {batch_size} per rank "
-                             f"({world_size} rank(s)): lower batch_size or add data")
-        self.sampler = EpochSampler(num_samples, seed, spec.shuffle, rank, world_size)
-        generator = torch.Generator().manual_seed(seed)  # deterministic worker seeds
-        self.loader = DataLoader(data, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
-                                 drop_last=spec.drop_last, generator=generator, **kwargs)
+            self._configure_stream(data, spec, world_size)
+            sampler, generator = None, None
+        else:
+            num_samples = len(data)  # type: ignore[arg-type]
+            if num_samples // world_size < batch_size:
+                raise ValueError(f"the dataset has {num_samples} samples, fewer than batch_size {batch_size} per "
+                                 f"rank ({world_size} rank(s)): lower batch_size or add data")
+            if spec.group_by_length != "none":  # batches of similar length, the longest first
+                self.sampler = sampler = LengthGroupedSampler(
+                    dataset_lengths(data, spec.group_by_length), batch_size, seed, spec.shuffle, rank, world_size,
+                    mode=spec.group_by_length)
+            else:
+                self.sampler = sampler = EpochSampler(num_samples, seed, spec.shuffle, rank, world_size)
+            generator = torch.Generator().manual_seed(seed)  # deterministic worker seeds
+
+        def build(num_workers: int, persistent: bool = spec.persistent_workers) -> DataLoader:
+            return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                              drop_last=spec.drop_last, generator=generator,
+                              **_loader_kwargs(spec, pin_memory, num_workers, persistent))
+
+        num_workers = spec.num_workers
+        if num_workers == "auto":
+            self.autotune = autotune_num_workers(lambda n: build(n, persistent=False), spec.autotune_budget_s,
+                                                 spec.autotune_max_workers)
+            num_workers = self.autotune.num_workers
+            if hasattr(data, "reset_counts"):  # the measurement's reads are not part of training
+                data.reset_counts()
+        self.loader = build(num_workers)
+
+    @staticmethod
+    def _configure_stream(data: IterableDataset, spec: DataSpec, world_size: int) -> None:
+        if world_size > 1 and not getattr(data, "splits_by_rank", False):
+            log.warning("an IterableDataset must shard itself by rank (torch.distributed.get_rank()); "
+                        "vlmfast cannot split a stream it does not index (vlmfast.data.shards does)")
+        if getattr(data, "max_bad_fraction", 0) is None:  # shard readers take the spec's threshold unless given one
+            data.max_bad_fraction = spec.max_bad_sample_fraction
 
     def __iter__(self) -> ResumableLoader:
         return self
@@ -127,8 +153,9 @@ class ResumableLoader:
         if self.sampler is not None:
             self.sampler.set_position(self.epoch, self.batch_in_epoch * self.batch_size)
             return iter(self.loader)
-        if hasattr(self.loader.sampler, "set_epoch"):
-            self.loader.sampler.set_epoch(self.epoch)
+        for source in (self.loader.sampler, self.loader.dataset):  # DistributedSampler, shard readers
+            if hasattr(source, "set_epoch"):
+                source.set_epoch(self.epoch)
         iterator = iter(self.loader)
         if self.batch_in_epoch:
             log.warning("resuming by skipping %d already-seen batches of epoch %d (exact only if the data order is "
@@ -145,10 +172,10 @@ class ResumableLoader:
         self._iterator = None
 
 
-def _loader_kwargs(spec: DataSpec, pin_memory: bool) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"num_workers": spec.num_workers, "pin_memory": pin_memory}
-    if spec.num_workers > 0:
-        kwargs["persistent_workers"] = spec.persistent_workers
+def _loader_kwargs(spec: DataSpec, pin_memory: bool, num_workers: int, persistent: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
+    if num_workers > 0:
+        kwargs["persistent_workers"] = persistent
         if spec.prefetch_factor is not None:
             kwargs["prefetch_factor"] = spec.prefetch_factor
     return kwargs

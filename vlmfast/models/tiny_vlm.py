@@ -7,7 +7,12 @@ Layout (the submodule names are relied upon by other vlmfast code to find compon
       multi_modal_projector   linear_1 -> GELU -> linear_2 (vision_dim -> text_dim)
       language_model          embed_tokens + embed_positions + layers[DecoderLayer] + norm + lm_head
 
-Image tokens are prepended to the caption tokens and the language model runs causally over both.
+Image tokens are prepended to the caption tokens and the language model runs causally over both. Attention goes
+through ``vlmfast.attention`` (SDPA by default), so ``set_attention_backend`` can switch it per tower.
+
+Packed rows (from ``vlmfast.data.packing.PackingCollator``) hold several samples each: ``input_ids`` carry
+``IMAGE_PLACEHOLDER_ID`` where a sample's image tokens go, ``position_ids`` restart at every sample, and attention
+never crosses samples.
 
 Usage::
 
@@ -24,9 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vlmfast.attention.dispatch import ScaledDotProductAttention
+from vlmfast.attention.documents import PackedDocuments
+from vlmfast.data.packing import IMAGE_PLACEHOLDER_ID  # where packed rows put a sample's image tokens
 from vlmfast.models.shapes import ShapesTokenizer
 
 __all__ = [
+    "IMAGE_PLACEHOLDER_ID",
     "Attention",
     "DecoderLayer",
     "LanguageModel",
@@ -90,9 +99,9 @@ class VLMOutput:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention through ``F.scaled_dot_product_attention``.
+    """Multi-head self-attention through ``vlmfast.attention`` (SDPA unless switched).
 
-    The single place both towers compute attention, so it can be swapped for other backends.
+    The single place both towers compute attention, so ``set_attention_backend`` can swap it.
     Usage: ``Attention(dim=64, num_heads=4, causal=False)(x)`` with ``x`` [B, T, dim].
     """
 
@@ -104,14 +113,16 @@ class Attention(nn.Module):
         self.dropout = dropout
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
+        self.attend = ScaledDotProductAttention()  # no parameters: state_dict keys are unchanged
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, documents: PackedDocuments | None = None) -> Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         # No mask: vision attends fully; text is right-padded after the image tokens, so with a causal
-        # mask real tokens never see pads (pad positions' outputs are ignored by the loss).
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+        # mask real tokens never see pads (pad positions' outputs are ignored by the loss). Packed rows
+        # pass their documents, and attention stays inside each one.
+        out = self.attend(
+            q, k, v, causal=self.causal, documents=documents, dropout_p=self.dropout if self.training else 0.0
         )
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
@@ -143,8 +154,8 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(dim, mlp_ratio * dim, dropout)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x: Tensor, documents: PackedDocuments | None = None) -> Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), documents))
         return x + self.mlp(self.norm2(x))
 
 
@@ -225,16 +236,27 @@ class LanguageModel(nn.Module):
         self.norm = nn.LayerNorm(c.text_dim)
         self.lm_head = nn.Linear(c.text_dim, c.vocab_size, bias=False)
 
-    def forward(self, inputs_embeds: Tensor, logits_from: int = 0) -> Tensor:
-        """Logits [B, T - logits_from, vocab] for positions ``logits_from`` onwards."""
+    def forward(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None) -> Tensor:
+        """Logits [B, T - logits_from, vocab] for positions ``logits_from`` onwards.
+
+        ``position_ids`` [B, T] that restart at 0 mark packed documents: attention stays inside each.
+        """
         t = inputs_embeds.shape[1]
         max_positions = self.embed_positions.num_embeddings
-        if t > max_positions:
-            raise ValueError(f"sequence of {t} tokens exceeds max_positions={max_positions}")
-        positions = torch.arange(t, device=inputs_embeds.device)
+        documents = None
+        if position_ids is None:
+            if t > max_positions:
+                raise ValueError(f"sequence of {t} tokens exceeds max_positions={max_positions}")
+            positions = torch.arange(t, device=inputs_embeds.device)
+        else:
+            positions = position_ids.to(inputs_embeds.device)
+            if int(positions.max()) >= max_positions:
+                raise ValueError(f"position id {int(positions.max())} exceeds max_positions={max_positions}: a "
+                                 "packed sample is longer than the model accepts")
+            documents = PackedDocuments.from_position_ids(positions)  # built once, shared by every layer
         x = self.drop(inputs_embeds + self.embed_positions(positions))
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, documents=documents)
         # Skipping the prefix (image tokens) before the head saves work: they never carry a loss.
         return self.lm_head(self.norm(x[:, logits_from:]))
 
@@ -258,6 +280,11 @@ class TinyVLM(nn.Module):
         self.language_model = LanguageModel(self.config)
         self.apply(_init_weights)
 
+    @property
+    def prepended_image_tokens(self) -> int:
+        """Image tokens placed before each sample's text (the packing collator reserves them per sample)."""
+        return self.config.num_image_tokens
+
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Total (or trainable) parameter count."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
@@ -269,6 +296,8 @@ class TinyVLM(nn.Module):
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
         num_items_in_batch: int | Tensor | None = None,
+        position_ids: Tensor | None = None,
+        images_per_row: Tensor | None = None,
     ) -> VLMOutput:
         """Logits over the text positions, plus the shifted causal-LM loss when ``labels`` is given.
 
@@ -276,14 +305,37 @@ class TinyVLM(nn.Module):
         plus the causal mask already keeps real tokens from attending to pads. With
         ``num_items_in_batch`` the loss is ``sum / num_items_in_batch`` (for exact gradient accumulation
         over micro-batches), otherwise the mean over non-ignored shifted labels.
+
+        Packed rows (``position_ids`` given): ``pixel_values`` is [R, K, 3, S, S] with ``images_per_row``
+        [R] valid images per row (or [N, 3, S, S] in row order), and logits cover every position.
         """
         del attention_mask  # see docstring
+        if position_ids is not None:
+            logits = self._packed_logits(pixel_values, input_ids, position_ids, images_per_row)
+            loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
+            return VLMOutput(loss=loss, logits=logits)
         image_embeds = self.multi_modal_projector(self.vision_tower(pixel_values))
         text_embeds = self.language_model.embed_tokens(input_ids)
         inputs_embeds = torch.cat([image_embeds.to(text_embeds.dtype), text_embeds], dim=1)
         logits = self.language_model(inputs_embeds, logits_from=image_embeds.shape[1])
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return VLMOutput(loss=loss, logits=logits)
+
+    def _packed_logits(self, pixel_values: Tensor, input_ids: Tensor, position_ids: Tensor,
+                       images_per_row: Tensor | None) -> Tensor:
+        """Each sample's image features go to its placeholders, in row order (as LLaVA's masked_scatter)."""
+        if images_per_row is not None:
+            slots = torch.arange(pixel_values.shape[1], device=pixel_values.device)
+            pixel_values = pixel_values[slots < images_per_row.to(pixel_values.device)[:, None]]
+        image_embeds = self.multi_modal_projector(self.vision_tower(pixel_values))
+        is_image = input_ids == IMAGE_PLACEHOLDER_ID
+        placeholders = int(is_image.sum())
+        if placeholders != image_embeds.shape[0] * image_embeds.shape[1]:
+            raise ValueError(f"packed batch has {placeholders} image placeholders but {image_embeds.shape[0]} images "
+                             f"of {image_embeds.shape[1]} tokens: pack with image_tokens={image_embeds.shape[1]}")
+        text_embeds = self.language_model.embed_tokens(input_ids.clamp(min=0))
+        inputs_embeds = text_embeds.masked_scatter(is_image.unsqueeze(-1), image_embeds.to(text_embeds.dtype))
+        return self.language_model(inputs_embeds, position_ids=position_ids)
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor, num_items_in_batch: int | Tensor | None = None) -> Tensor:

@@ -103,7 +103,8 @@ def checkpoint_call(fn: Callable[..., Any], *args: Any, offload_to_cpu: bool = F
     # kwargs go through a partial so a block argument named like one of checkpoint's own (debug, context_fn, ...)
     # cannot be taken by checkpoint; non-reentrant checkpointing still gives gradients to tensors in them.
     call = functools.partial(fn, **kwargs) if kwargs else fn
-    report = _HELD_INPUTS.get()
+    # A ContextVar read is a graph break under torch.compile; saved_tensor_bytes never measures compiled code.
+    report = None if torch.compiler.is_compiling() else _HELD_INPUTS.get()
     if report is not None and not offload_to_cpu:  # measuring: the inputs stay alive until backward
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor):

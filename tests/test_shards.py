@@ -1,0 +1,168 @@
+"""WebDataset shards: writing, complete read-back in pairs, rank/worker splitting, resampled epochs, bad samples."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+pytest.importorskip("webdataset")
+
+from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.data.shards import (
+    CaptionTokens,
+    ShardDataset,
+    TooManyBadSamplesError,
+    write_shards,
+)
+from vlmfast.data.shards_cli import add_shards_command
+from vlmfast.models import ShapesCaptionDataset, ShapesTokenizer, TinyVLM, TinyVLMConfig, VLMCollator
+
+N = 24
+
+
+def make_folder(folder: Path, n: int = N) -> Path:
+    """Solid-colour images whose grey level encodes the index, captioned 'sample i' (PNG and JPEG alternate)."""
+    folder.mkdir(parents=True)
+    for i in range(n):
+        image = np.full((6 + i % 5, 7 + i % 3, 3), 8 * i, dtype=np.uint8)
+        Image.fromarray(image).save(folder / f"img_{i}.{'png' if i % 2 else 'jpg'}")
+        (folder / f"img_{i}.txt").write_text(f"sample {i}")
+    return folder
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Path:
+    report = write_shards(make_folder(tmp_path / "src"), tmp_path / "shards", max_count=4, progress=False)
+    assert len(report.shards) == N // 4 and report.samples == N
+    return tmp_path / "shards"
+
+
+def caption_index(sample: dict) -> int:
+    return int(sample["text"].split()[1])
+
+
+def test_shards_read_back_complete_and_in_the_right_pairs(shards: Path):
+    samples = list(ShardDataset(shards, seed=0))
+    assert sorted(caption_index(s) for s in samples) == list(range(N))
+    for sample in samples:
+        i = caption_index(sample)
+        assert sample["image"].dtype == torch.uint8 and sample["image"].shape == (3, 6 + i % 5, 7 + i % 3)
+        assert abs(sample["image"].float().mean().item() - 8 * i) <= 2  # JPEG is lossy, solid colours nearly exact
+    assert not list(shards.glob("*.part"))  # every shard was renamed into place
+
+
+def test_every_sample_once_per_epoch_with_two_ranks_and_two_workers(shards: Path):
+    orders = []
+    for epoch in (0, 1):
+        seen = []
+        for rank in (0, 1):
+            dataset = ShardDataset(shards, seed=7, rank=rank, world_size=2)
+            dataset.set_epoch(epoch)
+            seen += [caption_index(s) for s in DataLoader(dataset, batch_size=None, num_workers=2)]
+        assert sorted(seen) == list(range(N)), f"epoch {epoch}: {collections.Counter(seen)}"
+        orders.append(seen)
+    assert orders[0] != orders[1]  # the seeded shard shuffle changes with the epoch
+
+
+def test_resampled_gives_equal_batch_counts_across_ranks_where_plain_splitting_does_not(tmp_path: Path):
+    # Uneven shards: 7 + 1 + 7 + 1 samples. Split by rank, rank 0 gets 14 samples and rank 1 gets 2.
+    src = make_folder(tmp_path / "src", 16)
+    for i, shard in enumerate((range(0, 7), range(7, 8), range(8, 15), range(15, 16))):
+        part = tmp_path / f"part{i}"
+        part.mkdir()
+        for j in shard:
+            for f in src.glob(f"img_{j}.*"):
+                f.rename(part / f.name)
+        write_shards(part, tmp_path / "shards", pattern=f"s{i}-%03d.tar", overwrite=True, progress=False)
+
+    def batches_per_rank(**kwargs) -> list[int]:
+        counts = []
+        for rank in (0, 1):
+            dataset = ShardDataset(tmp_path / "shards", rank=rank, world_size=2, shuffle_shards=False, **kwargs)
+            loader = DataLoader(dataset, batch_size=2, num_workers=2, drop_last=True, collate_fn=list)
+            counts.append(len(list(loader)))
+        return counts
+
+    plain = batches_per_rank()
+    assert plain[0] != plain[1]  # what makes a DDP run hang at the end of an epoch
+    assert batches_per_rank(resampled=True, samples_per_epoch=10, batch_size=2) == [5, 5]
+
+
+def test_truncated_tar_and_undecodable_image_are_skipped_counted_and_the_run_finishes(tmp_path: Path, monkeypatch):
+    dataset = ShapesCaptionDataset(num_samples=40, seed=0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        Image.fromarray(dataset[i]["image"].permute(1, 2, 0).numpy()).save(src / f"s{i}.png")
+        (src / f"s{i}.txt").write_text(dataset.scene(i).caption())
+    (src / "s3.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    report = write_shards(src, tmp_path / "shards", max_count=10, progress=False)
+    broken = report.shards[1]
+    broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])  # cut mid-sample
+
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", lambda s: sleeps.append(s))
+    shards = ShardDataset(tmp_path / "shards", to_sample=CaptionTokens(ShapesTokenizer()), max_bad_fraction=0.2)
+    config = TinyVLMConfig(vision_dim=16, vision_layers=1, text_dim=32, text_layers=1, vision_heads=2, text_heads=2)
+    spec = TrainSpec(max_steps=20, batch_size=2, device="cpu", log={"progress": "off"}, memory={"leak_check": False})
+    result = OptimizedTrainer(TinyVLM(config), shards, spec, collate_fn=VLMCollator(image_size=48)).fit()
+
+    assert len(result.history) == 20 and all(np.isfinite(m["loss"]) for m in result.history)
+    counts = shards.counts()
+    assert counts["bad"] >= 2  # the undecodable image + at least one error from the truncated shard
+    assert counts["samples"] >= 40  # more than one epoch: every shard was read
+    assert sleeps == []  # never webdataset's warn_and_continue 0.5 s per bad sample
+
+
+def test_too_many_bad_samples_stop_with_the_shard_named(tmp_path: Path):
+    src = make_folder(tmp_path / "src", 8)
+    for i in range(0, 8, 2):
+        (src / f"img_{i}.jpg").write_bytes(b"not a jpeg")
+    write_shards(src, tmp_path / "shards", max_count=4, progress=False)
+    loader = DataLoader(ShardDataset(tmp_path / "shards", max_bad_fraction=0.01), batch_size=None, num_workers=2)
+    with pytest.raises(TooManyBadSamplesError, match=r"(?s)above max_bad_fraction.*shard-00000\d\.tar"):
+        list(loader)
+
+
+def test_bad_samples_are_counted_across_workers(tmp_path: Path):
+    src = make_folder(tmp_path / "src", 16)
+    for i in (1, 9):
+        (src / f"img_{i}.png").write_bytes(b"broken")
+    write_shards(src, tmp_path / "shards", max_count=4, progress=False)
+    dataset = ShardDataset(tmp_path / "shards", max_bad_fraction=0.5)
+    assert len(list(DataLoader(dataset, batch_size=None, num_workers=2))) == 14
+    assert dataset.counts() == {"samples": 14, "bad": 2}
+
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="vlmfast")
+    add_shards_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return args.run(args)
+
+
+def test_cli_writes_shards_from_a_jsonl_and_refuses_incomplete_input(tmp_path: Path, capsys):
+    src = make_folder(tmp_path / "images", 6)
+    lines = [{"image": f"images/img_{i}.{'png' if i % 2 else 'jpg'}", "text": f"sample {i}"} for i in range(6)]
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("\n".join(json.dumps(line) for line in [*lines, {"image": "images/gone.png", "text": "x"}]))
+
+    with pytest.raises(ValueError, match=r"data.jsonl:7: image .*gone.png not found"):
+        run_cli("shards", "write", str(jsonl), str(tmp_path / "out"))
+    assert not list((tmp_path / "out").glob("*.tar")) if (tmp_path / "out").exists() else True
+
+    assert run_cli("shards", "write", str(jsonl), str(tmp_path / "out"), "--max-count", "4", "--skip-missing",
+                   "--max-size", "10M") == 0
+    assert "wrote 6 samples to 2 shard(s)" in capsys.readouterr().out
+    assert sorted(caption_index(s) for s in ShardDataset(tmp_path / "out")) == list(range(6))
+    with pytest.raises(ValueError, match=r"already holds 2 \.tar"):
+        run_cli("shards", "write", str(src), str(tmp_path / "out"))

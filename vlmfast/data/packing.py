@@ -1,0 +1,275 @@
+"""Sequence packing: several samples per row up to a token budget, so rows carry tokens instead of padding.
+
+Samples are placed into rows of at most ``max_tokens`` tokens by best-fit (or first-fit) decreasing. Each row gets
+per-document ``position_ids`` that restart at 0, which is all the attention needs to keep documents apart
+(``vlmfast.attention`` and Hugging Face models both read the boundaries from them). Labels get ``ignore_index`` at
+every document's first token, so with a causal-LM shift no token is trained to predict the next document; the loss
+items counted by gradient accumulation (``labels[..., 1:] != ignore_index``) are then exactly those of the padded
+batch. Images stay with their own sample: they are laid out per row (``pixel_values`` [R, K, ...] plus
+``images_per_row``, which micro-batch splitting slices with the rows) or flat in row order (Hugging Face LLaVA's
+convention). Models that put image tokens before the text rather than in ``input_ids`` (the built-in tiny VLM)
+get ``image_tokens`` placeholders per image. Qwen-VL style 3-D (mRoPE) ``position_ids`` are recognised: each
+sample's own mRoPE ids are kept and the text positions that delimit documents go in channel 0 (``[4, R, T]``,
+Hugging Face's convention).
+
+The packed batch has no ``attention_mask``: a 2-D padding mask would make Hugging Face models ignore the packing.
+
+Usage::
+
+    collate = PackingCollator(max_tokens=512, collate_fn=VLMCollator(), image_tokens=model.prepended_image_tokens)
+    batch = collate([dataset[i] for i in range(64)])   # input_ids / labels / position_ids [R, 512 or less] ...
+    loss = model(**batch).loss
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from vlmfast.attention.documents import is_mrope_position_ids
+
+if TYPE_CHECKING:
+    from vlmfast.spec import PackingSpec
+
+__all__ = [
+    "IMAGE_PLACEHOLDER_ID",
+    "PackedBatch",
+    "PackingCollator",
+    "build_packing_collator",
+    "count_packed_tokens",
+    "disable_kv_cache",
+    "pack_documents",
+    "plan_rows",
+    "unpad_batch",
+]
+
+IMAGE_PLACEHOLDER_ID = -200  # same value as vlmfast.models.tiny_vlm.IMAGE_PLACEHOLDER_ID
+Algorithm = Literal["best_fit_decreasing", "first_fit_decreasing"]
+Document = dict[str, Tensor]  # token keys: [L] (mRoPE position_ids: [C, L]); image keys: [n_images, ...]
+
+
+def plan_rows(lengths: Sequence[int], max_tokens: int, algorithm: Algorithm = "best_fit_decreasing") -> list[list[int]]:
+    """Indices of the documents in each row: longest first, into the fullest row that fits (or the first)."""
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(f"sample {i} has {n} tokens (images included), more than packing.max_tokens={max_tokens}: "
+                         f"raise packing.max_tokens to at least {max(n for _, n in too_long)} or truncate samples")
+    if algorithm not in ("best_fit_decreasing", "first_fit_decreasing"):
+        raise ValueError(f"unknown packing algorithm '{algorithm}': use best_fit_decreasing or first_fit_decreasing")
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        fits = [r for r in range(len(rows)) if free[r] >= lengths[i]]
+        if not fits:
+            rows.append([])
+            free.append(max_tokens)
+            fits = [len(rows) - 1]
+        row = min(fits, key=lambda r: free[r]) if algorithm == "best_fit_decreasing" else fits[0]
+        rows[row].append(i)
+        free[row] -= lengths[i]
+    return rows
+
+
+def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_values",)) -> list[Document]:
+    """Split a right-padded batch (``attention_mask`` [B, T]) back into one document per sample."""
+    mask = batch.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        raise ValueError("packing a padded batch needs its 'attention_mask' [B, T] to find each sample's length")
+    b, t = mask.shape
+    lengths = mask.sum(-1)
+    if not torch.equal(mask.bool(), torch.arange(t)[None, :] < lengths[:, None]):
+        raise ValueError("packing needs right-padded samples (attention_mask 1...1 0...0); use padding_side='right'")
+    docs: list[Document] = [{} for _ in range(b)]
+    for key, value in batch.items():
+        if not isinstance(value, Tensor):
+            raise ValueError(f"packing cannot carry batch key '{key}' ({type(value).__name__}): drop it in collate_fn")
+        for i, doc in enumerate(docs):
+            doc[key] = _sample_slice(key, value, i, int(lengths[i]), b, t, image_keys)
+    return docs
+
+
+def _sample_slice(key: str, value: Tensor, i: int, n: int, b: int, t: int, image_keys: Sequence[str]) -> Tensor:
+    if key in image_keys and value.shape[0] == b:
+        return value[i : i + 1]  # one image per sample
+    if key == "position_ids" and is_mrope_position_ids(value) and value.shape[1:] == (b, t):
+        return value[:, i, :n]
+    if value.dim() >= 2 and value.shape[:2] == (b, t):
+        return value[i, :n]
+    raise ValueError(f"packing cannot tell how batch key '{key}' of shape {tuple(value.shape)} splits into samples: "
+                     f"token keys are [B, T], image keys ({', '.join(image_keys)}) [B, ...]")
+
+
+@dataclass
+class PackedBatch:
+    """A packed batch and which input documents went into each row (``rows[r]`` = document indices)."""
+
+    tensors: dict[str, Tensor]
+    rows: list[list[int]]
+
+
+def pack_documents(
+    docs: Sequence[Document],
+    max_tokens: int,
+    *,
+    algorithm: Algorithm = "best_fit_decreasing",
+    image_tokens: int = 0,
+    image_keys: Sequence[str] = ("pixel_values",),
+    image_layout: Literal["per_row", "flat"] = "per_row",
+    shift_labels: bool = True,
+    pad_id: int = 0,
+    ignore_index: int = -100,
+    pad_to_max_tokens: bool = False,
+) -> PackedBatch:
+    """Pack documents (dicts of ``input_ids`` [L], optional ``labels`` [L], images [n, ...]) into rows."""
+    if not docs:
+        raise ValueError("cannot pack an empty list of samples")
+    docs = [_with_placeholders(d, image_tokens, image_keys, shift_labels, ignore_index) for d in docs]
+    lengths = [int(d["input_ids"].shape[-1]) for d in docs]
+    rows = plan_rows(lengths, max_tokens, algorithm)
+    width = max_tokens if pad_to_max_tokens else max(sum(lengths[i] for i in row) for row in rows)
+    tensors = _pack_tokens(docs, rows, width, pad_id, ignore_index)
+    for key in image_keys:
+        if any(key in d for d in docs):
+            tensors.update(_pack_images(docs, rows, key, image_layout))
+    return PackedBatch(tensors, rows)
+
+
+def _with_placeholders(doc: Document, image_tokens: int, image_keys: Sequence[str], shift_labels: bool,
+                       ignore_index: int) -> Document:
+    """The document as the model sees it: image placeholders first (if any), first label ignored (if shifted)."""
+    if "input_ids" not in doc:
+        raise ValueError(f"a sample to pack needs 'input_ids'; it has {sorted(doc)}")
+    doc = {k: (v.unsqueeze(0) if k in image_keys and v.dim() == 3 else v) for k, v in doc.items()}  # one image
+    doc.pop("attention_mask", None)  # see the module docstring
+    for key, value in doc.items():
+        if key not in image_keys and value.dim() != 1 and not (key == "position_ids" and value.shape[0] in (3, 4)):
+            raise ValueError(f"packing takes 1-D token tensors, but '{key}' has shape {tuple(value.shape)}")
+    if "labels" in doc and shift_labels:
+        doc["labels"] = doc["labels"].clone()
+        doc["labels"][:1] = ignore_index
+    n_images = sum(int(doc[k].shape[0]) for k in image_keys if k in doc)
+    extra = image_tokens * n_images
+    if extra:
+        for key, value in list(doc.items()):
+            if key not in image_keys:
+                fill = {"input_ids": IMAGE_PLACEHOLDER_ID, "labels": ignore_index}.get(key, 0)
+                doc[key] = torch.cat([value.new_full((*value.shape[:-1], extra), fill), value], dim=-1)
+    return doc
+
+
+def _pack_tokens(docs: Sequence[Document], rows: list[list[int]], width: int, pad_id: int,
+                 ignore_index: int) -> dict[str, Tensor]:
+    first = docs[0]
+    out: dict[str, Tensor] = {}
+    for key, value in first.items():
+        if value.dim() == 1:
+            fill = {"input_ids": pad_id, "labels": ignore_index}.get(key, 0)
+            out[key] = value.new_full((len(rows), width), fill)
+    mrope = "position_ids" in first and is_mrope_position_ids(first["position_ids"].unsqueeze(1))
+    positions = torch.zeros(4 if mrope else 1, len(rows), width, dtype=torch.long)
+    longest = max(d["input_ids"].shape[-1] for d in docs)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            n = docs[i]["input_ids"].shape[-1]
+            for key in out:
+                out[key][r, start : start + n] = docs[i][key]
+            positions[0, r, start : start + n] = torch.arange(n)
+            if mrope:
+                own = docs[i]["position_ids"]
+                positions[1:, r, start : start + n] = own[-3:]  # [3, n], or channels 1-3 of [4, n]
+            start += n
+        # The padding tail is a "document" of its own (never seen by real tokens); its positions stay below the
+        # longest sample's so they are valid for the model, restarting as often as needed.
+        positions[:, r, start:] = torch.arange(width - start) % longest
+    out["position_ids"] = positions if mrope else positions[0]
+    return out
+
+
+def _pack_images(docs: Sequence[Document], rows: list[list[int]], key: str, layout: str) -> dict[str, Tensor]:
+    per_row = [[docs[i][key] for i in row if key in docs[i]] for row in rows]
+    per_row = [torch.cat(images) if images else None for images in per_row]
+    example = next(x for x in per_row if x is not None)
+    if layout == "flat":
+        return {key: torch.cat([x for x in per_row if x is not None])}
+    if layout != "per_row":
+        raise ValueError(f"unknown image_layout '{layout}': use per_row or flat")
+    counts = torch.tensor([0 if x is None else x.shape[0] for x in per_row])
+    packed = example.new_zeros((len(rows), int(counts.max()), *example.shape[1:]))
+    for r, images in enumerate(per_row):
+        if images is not None:
+            packed[r, : images.shape[0]] = images
+    count_key = "images_per_row" if key == "pixel_values" else f"{key}_per_row"
+    return {key: packed, count_key: counts}
+
+
+@dataclass
+class PackingCollator:
+    """A collate_fn that packs: ``collate_fn`` (optional) pads the samples, then they are packed into rows.
+
+    Without ``collate_fn`` the samples must already be documents: dicts of ``input_ids`` [L], optional ``labels``
+    [L] and images [n, ...]. A plain dataclass, so it pickles into DataLoader workers.
+    """
+
+    max_tokens: int
+    collate_fn: Callable[[list[Any]], Mapping[str, Any]] | None = None
+    algorithm: Algorithm = "best_fit_decreasing"
+    image_tokens: int = 0
+    image_keys: tuple[str, ...] = ("pixel_values",)
+    image_layout: Literal["per_row", "flat"] = "per_row"
+    shift_labels: bool = True
+    pad_id: int = 0
+    ignore_index: int = -100
+    pad_to_max_tokens: bool = False
+
+    def __call__(self, samples: list[Any]) -> dict[str, Tensor]:
+        if self.collate_fn is not None:
+            docs = unpad_batch(self.collate_fn(samples), self.image_keys)
+        else:
+            docs = [dict(s) for s in samples]
+        return pack_documents(
+            docs, self.max_tokens, algorithm=self.algorithm, image_tokens=self.image_tokens,
+            image_keys=self.image_keys, image_layout=self.image_layout, shift_labels=self.shift_labels,
+            pad_id=self.pad_id, ignore_index=self.ignore_index, pad_to_max_tokens=self.pad_to_max_tokens,
+        ).tensors
+
+
+def build_packing_collator(
+    spec: PackingSpec,
+    model: nn.Module,
+    collate_fn: Callable[[list[Any]], Mapping[str, Any]] | None = None,
+    *,
+    shift_labels: bool = True,
+    ignore_index: int = -100,
+) -> PackingCollator:
+    """The collator for the ``packing`` spec section (and the model made ready for packed rows)."""
+    disable_kv_cache(model)
+    image_tokens = spec.image_tokens
+    if image_tokens is None:
+        image_tokens = int(getattr(getattr(model, "module", model), "prepended_image_tokens", 0))
+    return PackingCollator(
+        max_tokens=spec.max_tokens, collate_fn=collate_fn, algorithm=spec.algorithm, image_tokens=image_tokens,
+        image_layout=spec.image_layout, shift_labels=shift_labels, pad_id=int(getattr(collate_fn, "pad_id", 0)),
+        ignore_index=ignore_index, pad_to_max_tokens=spec.pad_to_max_tokens,
+    )
+
+
+def disable_kv_cache(model: nn.Module) -> None:
+    """``use_cache=False`` on a Hugging Face model's configs: HF reads packing from position_ids only without one."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for cfg in [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", {}))]:
+            if cfg is not None and hasattr(cfg, "use_cache"):
+                cfg.use_cache = False
+
+
+def count_packed_tokens(batch: Mapping[str, Any], pad_id: int = 0) -> int:
+    """Real tokens of a packed batch: everything but each row's trailing padding (image placeholders count)."""
+    ids = batch["input_ids"]
+    trailing = (ids == pad_id).flip(-1).long().cumprod(-1).sum()
+    return int(ids.numel() - trailing)

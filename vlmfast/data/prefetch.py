@@ -1,0 +1,156 @@
+"""Device prefetch: load and copy the next batch to the device while the current step computes.
+
+On CUDA the copy (and an optional on-device transform such as batched image resizing) runs on a side stream,
+``non_blocking`` from pinned host memory; before a batch is handed out the compute stream waits for that side
+stream, and every tensor of the batch is marked with ``record_stream`` so the caching allocator does not reuse its
+memory while the compute stream still reads it. On CPU there is no stream.
+
+The next batch is loaded by one background thread, so collation (or receiving a batch from DataLoader workers,
+which costs a round trip per tensor) leaves the step's critical path; PIL decoding and torch ops release the GIL,
+so on CPU the thread overlaps the step too. The resume position stays exact: ``state_dict()`` is the source's
+position after the batches handed out, not after the one already prefetched.
+
+Usage::
+
+    batches = DevicePrefetcher(loader, torch.device("cuda"))          # any iterator of nested tensor batches
+    for step in range(max_steps):
+        batch = next(batches)                                         # already on the device
+        loss = model(**batch).loss
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from accelerate.utils import recursively_apply
+
+from vlmfast.data.batch import move_to_device
+from vlmfast.spec import DataSpec
+
+log = logging.getLogger(__name__)
+
+_EXHAUSTED = object()
+
+
+class DevicePrefetcher:
+    """Wrap an iterator of host batches; yield them on `device`, the next one already loaded (see module doc)."""
+
+    def __init__(
+        self,
+        source: Iterator[Any],
+        device: torch.device | str,
+        transform: Callable[[Any], Any] | None = None,
+        prefetch: bool = True,
+        background: bool = True,
+        depth: int = 2,
+    ) -> None:
+        self.source = source
+        self.device = torch.device(device)
+        self.transform = transform
+        self.prefetch = prefetch
+        use_stream = prefetch and self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if use_stream else None
+        # One thread: next(source) (collation, or receiving from DataLoader workers) and the copy leave the step's
+        # critical path; decoding and torch ops release the GIL, so this overlaps even on CPU.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="vlmfast-prefetch") if prefetch and background \
+            else None
+        self.depth = depth if prefetch else 0  # batches loaded ahead: more than one absorbs jitter in load times
+        self._pending: deque[Future | tuple[Any, Any]] = deque()
+        self._state: dict[str, Any] | None = None  # the source's position after the batches handed out
+        self._warned_unpinned = False
+
+    def __iter__(self) -> DevicePrefetcher:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else is the source's (e.g. a ResumableLoader's .loader, .autotune, .epoch).
+        if name == "source":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+    def __next__(self) -> Any:
+        batch, state = self._collect() if self._pending else self._load()
+        if batch is _EXHAUSTED:
+            raise StopIteration
+        if self.stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.stream)
+            recursively_apply(lambda t: t.record_stream(compute), batch, error_on_other_type=False)
+        self._state = state
+        while len(self._pending) < self.depth:  # in flight while the caller computes on `batch`
+            self._pending.append(self._executor.submit(self._load) if self._executor is not None else self._load())
+        return batch
+
+    def _collect(self) -> tuple[Any, Any]:
+        pending = self._pending.popleft()
+        return pending.result() if isinstance(pending, Future) else pending
+
+    def _load(self) -> tuple[Any, dict[str, Any] | None]:
+        try:
+            host_batch = next(self.source)
+        except StopIteration:
+            return _EXHAUSTED, None
+        state = self._source_state()  # read here: the main thread never touches the source while a load runs
+        self._check_pinned(host_batch)
+        if self.stream is None:
+            return self._to_device(host_batch), state
+        with torch.cuda.stream(self.stream):
+            return self._to_device(host_batch), state
+
+    def close(self) -> None:
+        """Finish the loads in flight and stop the background thread."""
+        while self._pending:
+            self._collect()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    def _to_device(self, host_batch: Any) -> Any:
+        batch = move_to_device(host_batch, self.device, non_blocking=True)
+        return self.transform(batch) if self.transform is not None else batch
+
+    def _check_pinned(self, host_batch: Any) -> None:
+        if self.stream is None or self._warned_unpinned:
+            return
+        pinned: list[bool] = []
+        recursively_apply(lambda t: pinned.append(t.is_pinned()), host_batch, error_on_other_type=False)
+        if pinned and not all(pinned):
+            self._warned_unpinned = True
+            log.warning("device prefetch: host batches are not in pinned memory, so the copy to %s cannot overlap "
+                        "compute; set data.pin_memory: true (or pin_memory=True on your DataLoader)", self.device)
+
+    def _source_state(self) -> dict[str, Any] | None:
+        state_dict = getattr(self.source, "state_dict", None)
+        return state_dict() if state_dict is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The source's position after the batches handed out (the prefetched one is not counted)."""
+        if self._state is not None:
+            return self._state
+        state = self._source_state()
+        if state is None:
+            raise TypeError(f"{type(self.source).__name__} has no state_dict(): it cannot be checkpointed")
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Reposition the source and drop the prefetched batch (it belongs to the old position)."""
+        while self._pending:
+            self._collect()  # let the loads in flight finish before the source moves
+        self.source.load_state_dict(state)  # type: ignore[attr-defined]
+        self._state = None
+
+
+def device_batches(loader: Iterator[Any], spec: DataSpec, device: torch.device) -> Any:
+    """The trainer's batch source for `spec`: `loader` itself, or a DevicePrefetcher with the image transform."""
+    if not (spec.device_prefetch or spec.device_image_size):
+        return loader
+    transform = None
+    if spec.device_image_size:
+        from vlmfast.data.images import BatchImagePreprocessor
+
+        transform = BatchImagePreprocessor(spec.device_image_size, spec.image_mean, spec.image_std, spec.image_key)
+    return DevicePrefetcher(loader, device, transform=transform, prefetch=True)

@@ -1,0 +1,60 @@
+"""Attention backend swap for the trainer: the ``attention`` spec section applied to the model.
+
+The work is :func:`vlmfast.attention.set_attention_backend` (usable alone); this strategy runs it once at setup,
+enters the SDPA kernel restriction around every forward pass, and reports what was chosen and why.
+
+Usage in a hand-written loop::
+
+    from vlmfast.attention import set_attention_backend
+    setting = set_attention_backend(model, "auto", vision_backend="sdpa", sdpa_kernels=None)
+    with setting.context():
+        loss = model(**batch).loss
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlmfast.attention import AttentionBackendError, AttentionSetting, set_attention_backend
+from vlmfast.spec import AttentionSpec
+from vlmfast.strategies.base import Strategy
+
+__all__ = ["AttentionBackend"]
+
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class AttentionBackend(Strategy):
+    """Sets the model's attention backend(s) from the spec; a backend that cannot run fails at setup."""
+
+    name = "attention"
+
+    def __init__(self, spec: AttentionSpec, precision: str = "fp32") -> None:
+        self.spec = spec
+        self.dtype = _COMPUTE_DTYPES.get(precision)  # autocast computes attention in this dtype
+        self.setting: AttentionSetting | None = None
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        if self.spec.backend is None:
+            return model
+        self._refuse_cpu_flex(model)
+        self.setting = set_attention_backend(model, self.spec.backend, self.spec.vision_backend,
+                                             self.spec.sdpa_kernels, dtype=self.dtype)
+        return model
+
+    def _refuse_cpu_flex(self, model: nn.Module) -> None:
+        parameter = next(model.parameters(), None)
+        on_cpu = parameter is None or parameter.device.type == "cpu"
+        if on_cpu and "flex" in (self.spec.backend, self.spec.vision_backend):
+            raise AttentionBackendError("attention backend 'flex' cannot train on CPU: torch's flex_attention has no "
+                                        "CPU backward. Use attention.backend: sdpa (or eager) on CPU")
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        return self.setting.context() if self.setting is not None else nullcontext()
+
+    def describe(self) -> str:
+        return self.setting.describe() if self.setting is not None else "attention: unchanged"
