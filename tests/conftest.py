@@ -106,3 +106,27 @@ class LlavaDataset(torch.utils.data.Dataset):
 def tiny_lm():
     torch.manual_seed(0)
     return TinyCausalLM()
+
+
+def spawn_two_ranks(worker, tmp_path, name: str, *args) -> list:
+    """Run `worker(*args)` on 2 gloo ranks (the environment torchrun sets); returns each rank's return value."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / name)
+    torch.multiprocessing.spawn(_rank_main, args=(worker, port, out, args), nprocs=2)
+    return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
+
+
+def _rank_main(rank: int, worker, port: int, out: str, args: tuple) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        torch.save(worker(*args), f"{out}.{rank}")
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-from conftest import TinyCausalLM, TokenDataset
+from conftest import TinyCausalLM, TokenDataset, spawn_two_ranks
 
 from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.spec import SpecError
 
 deepspeed = pytest.importorskip("deepspeed")
 from vlmfast.distributed.deepspeed_engine import build_deepspeed_config  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _task(kind: str):
@@ -32,29 +25,21 @@ def _task(kind: str):
     return TinyCausalLM(), TokenDataset(64), None
 
 
-def _worker(rank: int, port: int, out: str, spec: dict, kind: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    try:
-        model, data, collate = _task(kind)
-        trainer = OptimizedTrainer(model, data, TrainSpec(**spec), collate_fn=collate)
-        result = trainer.fit()
-        params = {n: p.detach().float().clone() for n, p in trainer.model.module.named_parameters()}
-        if spec.get("deepspeed", {}).get("zero_stage") == 3:  # sharded: gather the full weights to compare
-            with deepspeed.zero.GatheredParameters(list(trainer.model.module.parameters())):
-                params = {n: p.detach().float().clone() for n, p in trainer.model.module.named_parameters()}
-        torch.save({"params": params, "losses": [m["loss"] for m in result.history],
-                    "engine": type(trainer.model).__name__, "resumed_from": str(result.resumed_from),
-                    "strategies": result.report.strategies}, f"{out}.{rank}")
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+def _worker(spec: dict, kind: str) -> dict:
+    model, data, collate = _task(kind)
+    trainer = OptimizedTrainer(model, data, TrainSpec(**spec), collate_fn=collate)
+    result = trainer.fit()
+    params = {n: p.detach().float().clone() for n, p in trainer.model.module.named_parameters()}
+    if spec.get("deepspeed", {}).get("zero_stage") == 3:  # sharded: gather the full weights to compare
+        with deepspeed.zero.GatheredParameters(list(trainer.model.module.parameters())):
+            params = {n: p.detach().float().clone() for n, p in trainer.model.module.named_parameters()}
+    return {"params": params, "losses": [m["loss"] for m in result.history],
+            "engine": type(trainer.model).__name__, "resumed_from": str(result.resumed_from),
+            "strategies": result.report.strategies}
 
 
 def run_two_ranks(tmp_path, name: str, spec: dict, kind: str = "lm") -> list[dict]:
-    out = str(tmp_path / name)
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), out, spec, kind), nprocs=2)
-    return [torch.load(f"{out}.{rank}") for rank in range(2)]
+    return spawn_two_ranks(_worker, tmp_path, name, spec, kind)
 
 
 def base_spec(**overrides) -> dict:

@@ -2,42 +2,31 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import TinyCausalLM, TokenDataset
-from test_deepspeed import _free_port
+from conftest import TinyCausalLM, TokenDataset, spawn_two_ranks
 
 from vlmfast import OptimizedTrainer, TrainSpec
 
 
-def _worker(rank: int, port: int, out: str, spec: dict, kind: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    try:
-        torch.manual_seed(0)
-        if kind == "vlm":
-            from vlmfast.models import build_tiny_vlm_task
+def _worker(spec: dict, kind: str) -> dict:
+    torch.manual_seed(0)
+    if kind == "vlm":
+        from vlmfast.models import build_tiny_vlm_task
 
-            model, data, collate = build_tiny_vlm_task(seed=0, num_samples=256)
-        else:
-            model, data, collate = TinyCausalLM(), TokenDataset(64), None
-        trainer = OptimizedTrainer(model, data, TrainSpec(**spec), collate_fn=collate)
-        result = trainer.fit()
-        params = {n: p.detach().full_tensor().float() for n, p in trainer.model.named_parameters()}
-        torch.save({"params": params, "losses": [m["loss"] for m in result.history],
-                    "sharded": type(next(trainer.model.parameters())).__name__,
-                    "strategies": result.report.strategies}, f"{out}.{rank}")
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        model, data, collate = build_tiny_vlm_task(seed=0, num_samples=256)
+    else:
+        model, data, collate = TinyCausalLM(), TokenDataset(64), None
+    trainer = OptimizedTrainer(model, data, TrainSpec(**spec), collate_fn=collate)
+    result = trainer.fit()
+    params = {n: p.detach().full_tensor().float() for n, p in trainer.model.named_parameters()}
+    return {"params": params, "losses": [m["loss"] for m in result.history],
+            "sharded": type(next(trainer.model.parameters())).__name__,
+            "strategies": result.report.strategies}
 
 
 def run_two_ranks(tmp_path, name: str, spec: dict, kind: str = "lm") -> list[dict]:
-    out = str(tmp_path / name)
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), out, spec, kind), nprocs=2)
-    return [torch.load(f"{out}.{rank}") for rank in range(2)]
+    return spawn_two_ranks(_worker, tmp_path, name, spec, kind)
 
 
 def base_spec(**overrides) -> dict:
