@@ -295,3 +295,18 @@ def test_inductor_matches_eager():
     assert_same_training(model, eager, torch.randn(8, 4))
     assert result.fallbacks == {} and result.graphs == 1
     assert time.perf_counter() - start < 120
+
+
+def test_the_tiny_vlm_compiles_into_one_graph_without_breaks():
+    # vlmfast.attention reads its default backend from a ContextVar, which dynamo cannot trace; under compile it
+    # reads a plain global instead. Without that, every attention call broke the graph (12 graphs, 10 breaks).
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    from vlmfast.models import build_tiny_vlm_task
+
+    model, dataset, collate = build_tiny_vlm_task(num_samples=8)
+    counters.clear()
+    counter = CompileCounter()
+    torch.compile(model, backend=counter)(**collate([dataset[i] for i in range(4)]))
+    assert counter.frame_count == 1 and not sum(counters["graph_break"].values())

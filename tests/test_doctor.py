@@ -36,7 +36,7 @@ class SleepyTokens(TokenDataset):
 class MatmulModel(nn.Module):
     """Compute-heavy, data-light: a deep MLP over in-memory features."""
 
-    def __init__(self, dim: int = 384, depth: int = 4) -> None:
+    def __init__(self, dim: int = 1024, depth: int = 8) -> None:
         super().__init__()
         self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(depth)])
 
@@ -45,7 +45,7 @@ class MatmulModel(nn.Module):
 
 
 class Features(torch.utils.data.Dataset):
-    def __init__(self, n: int = 256, dim: int = 384) -> None:
+    def __init__(self, n: int = 256, dim: int = 1024) -> None:
         self.x, self.y = torch.randn(n, dim), torch.randn(n, dim)
 
     def __len__(self) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from vlmfast.attention.backends import BACKENDS, SDPA_KERNELS, AttentionInputs, _uses_varlen
@@ -46,6 +47,9 @@ AUTO_ORDER = ("flash_attn", "sdpa", "eager")
 FLEX_PACKED_MIN_LEN = 2048
 
 _default_backend: contextvars.ContextVar[str] = contextvars.ContextVar("vlmfast_attention_backend", default="sdpa")
+# The same value as a plain global for compiled code: torch.compile cannot trace ContextVar.get (a graph break in
+# every attention call); it guards on globals, so a changed default recompiles.
+_compiled_default = "sdpa"
 _recorders: list[list[AttentionCall]] = []
 _logged_choices: set[tuple[str, str]] = set()
 
@@ -92,7 +96,7 @@ def attention(
     inputs = AttentionInputs(causal=causal, attn_mask=attn_mask, documents=_documents(documents, position_ids,
                              cu_seqlens, q), dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
                              sdpa_kernels=tuple(sdpa_kernels) if sdpa_kernels else None)
-    requested = backend or _default_backend.get()
+    requested = backend or (_compiled_default if torch.compiler.is_compiling() else _default_backend.get())
     name, reason = resolve_backend(requested, q, inputs)
     if _recorders:
         call = AttentionCall(name, requested, reason, tuple(q.shape), str(q.dtype).removeprefix("torch."),
@@ -163,11 +167,14 @@ def use_attention_backend(backend: str) -> Iterator[None]:
     """Default backend for ``vlmfast.attention`` calls that name none, inside the block (context-local)."""
     if backend not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend '{backend}': choose from {list(BACKEND_NAMES)}")
-    token = _default_backend.set(backend)
+    global _compiled_default
+    token, previous = _default_backend.set(backend), _compiled_default
+    _compiled_default = backend
     try:
         yield
     finally:
         _default_backend.reset(token)
+        _compiled_default = previous
 
 
 @contextmanager
