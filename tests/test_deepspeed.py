@@ -116,3 +116,20 @@ def test_conflicts_and_unsupported_combinations_fail_before_any_work(tmp_path):
                          ({"deepspeed": {"enabled": True, "config": str(tmp_path / "missing.json")}}, "not found")]:
         with pytest.raises(ValueError, match=message):
             TrainSpec(**{"deepspeed": {"enabled": True}, **bad})
+
+
+def _single_process(rank: int, out: str) -> None:
+    # No launcher environment at all: `vlmfast train --set deepspeed.enabled=true` on one GPU (or CPU).
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), TrainSpec(**base_spec(
+        batch_size=8, micro_batch_size=4, deepspeed={"enabled": True, "zero_stage": 2})))
+    torch.save([m["loss"] for m in trainer.fit().history], out)
+
+
+@pytest.mark.timeout(180)
+def test_zero_runs_in_a_single_process_without_a_launcher(tmp_path):
+    out = str(tmp_path / "single")
+    torch.multiprocessing.spawn(_single_process, args=(out,), nprocs=1)
+    losses = torch.load(out)
+    assert len(losses) == 6 and losses[-1] < losses[0]

@@ -526,7 +526,8 @@ class OptimizedTrainer:
         return RunReport.from_history(
             history, wall_time, world_size=self.world_size, peak_memory_gb=peak_memory_gb(self.device),
             device=self.device.type, skipped_steps=self.state.skipped_steps,
-            strategies=[s.describe() for s in self.strategies] + self.backend.describe(),
+            strategies=[s.describe() for s in self.strategies  # a backend that owns precision describes it
+                        if not (s is self.precision and self.backend.owns_precision)] + self.backend.describe(),
         )
 
     def _write_report(self, report: RunReport) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -190,5 +191,6 @@ def _ensure_process_group() -> None:
     """DeepSpeed needs a process group even on one process: a private one-rank group, no ports opened."""
     if torch.distributed.is_initialized():
         return
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's own sanity check reads it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
