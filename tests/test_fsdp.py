@@ -20,7 +20,10 @@ def _worker(spec: dict, kind: str) -> dict:
     trainer = OptimizedTrainer(model, data, TrainSpec(**spec), collate_fn=collate)
     result = trainer.fit()
     params = {n: p.detach().full_tensor().float() for n, p in trainer.model.named_parameters()}
-    return {"params": params, "losses": [m["loss"] for m in result.history],
+    units = [m for m in trainer.model.modules() if m is not trainer.model and hasattr(m, "_get_fsdp_state")]
+    # A block that reshards after forward has a post-forward mesh (torch's private state: the flag's effect).
+    resharded = [m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for m in units]
+    return {"params": params, "losses": [m["loss"] for m in result.history], "resharded": resharded,
             "sharded": type(next(trainer.model.parameters())).__name__,
             "strategies": result.report.strategies}
 
@@ -38,13 +41,15 @@ def base_spec(**overrides) -> dict:
 
 @pytest.mark.timeout(240)
 def test_fsdp_gives_the_same_training_as_one_process_with_the_global_batch(tmp_path):
-    ranks = run_two_ranks(tmp_path, "fsdp", base_spec(fsdp={"enabled": True, "blocks": ["mix", "head"]}))
+    ranks = run_two_ranks(tmp_path, "fsdp", base_spec(fsdp={"enabled": True, "blocks": ["mix", "head"],
+                                                                      "reshard_after_forward": False}))
     torch.manual_seed(0)
     single = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), TrainSpec(**base_spec(batch_size=8,
                                                                                       micro_batch_size=4)))
     reference = single.fit()
     assert ranks[0]["sharded"] == "DTensor"  # the parameters really are sharded
     assert "fsdp2: 3 sharded units" in ranks[0]["strategies"][-1]
+    assert ranks[0]["resharded"] == [False, False]  # reshard_after_forward: false keeps blocks gathered
     for rank in ranks:
         assert rank["losses"] == pytest.approx([m["loss"] for m in reference.history], rel=1e-5)
         for name, value in single.model.named_parameters():
@@ -58,6 +63,7 @@ def test_fsdp_trains_the_tiny_vlm_in_bf16_and_resumes_exactly(tmp_path):
     full = run_two_ranks(tmp_path, "full", base_spec(**common, save={"dir": str(tmp_path / "a"), "every_steps": 4}),
                          kind="vlm")
     losses = full[0]["losses"]
+    assert full[0]["resharded"] and all(full[0]["resharded"])  # the default frees each block after forward
     assert sum(losses[-2:]) < sum(losses[:2]) * 0.9, losses
     resumed = run_two_ranks(tmp_path, "resumed", base_spec(**common, save={
         "dir": str(tmp_path / "b"), "resume": str(tmp_path / "a" / "step_00000004")}), kind="vlm")

@@ -56,7 +56,6 @@ from vlmfast.strategies.accumulation import (
     LossFn,
     all_reduce_gradients,
     scale_gradients,
-    sync_context,
 )
 from vlmfast.strategies.attention import AttentionBackend
 from vlmfast.strategies.base import Strategy
@@ -309,11 +308,10 @@ class OptimizedTrainer:
             host_micro_batch = micro_batch
             with self.timer.phase("h2d"):
                 micro_batch = self._to_device(micro_batch)
-            # DeepSpeed's engine owns the reduction (at backward for ZeRO-2/3, at step for ZeRO-0/1): no no_sync.
-            sync = (index == last or sync_each or self.deepspeed is not None) and not self._manual_grad_sync
+            sync = (index == last or sync_each) and not self._manual_grad_sync
             try:
                 # Around backward too (FSDP2 reduces in backward); FLOPs are counted once per batch shape.
-                with sync_context(self.model, sync), self.timer.count_flops(host_micro_batch):
+                with self.backend.sync_context(self.model, sync), self.timer.count_flops(host_micro_batch):
                     with self._forward_context(), self.timer.phase("forward"):
                         share = self.accumulation.micro_batch_loss(self.model, micro_batch, plan, index)
                     with self.timer.phase("backward"):
@@ -328,8 +326,7 @@ class OptimizedTrainer:
         return total
 
     def _to_device(self, micro_batch: Any) -> Any:
-        micro_batch = move_to_device(micro_batch, self.device)
-        return self.deepspeed.cast_inputs(micro_batch) if self.deepspeed else micro_batch
+        return self.backend.prepare_inputs(move_to_device(micro_batch, self.device))
 
     def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' loss shares. The same all-reduce carries "I want to stop" (a signal or a callback), so all

@@ -12,6 +12,7 @@ backward and the optimizer step (see `vlmfast.distributed.deepspeed_engine`).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from torch import nn
 from vlmfast.distributed import fsdp
 from vlmfast.distributed.ddp import wrap_ddp
 from vlmfast.spec import TrainSpec
+from vlmfast.strategies.accumulation import sync_context
 
 if TYPE_CHECKING:
     from vlmfast.strategies.optimizer import Optimization
@@ -38,6 +40,14 @@ class TorchBackend:
 
     def wrap(self, model: nn.Module, optimization: Optimization) -> nn.Module:
         return wrap_ddp(model, self.spec.ddp, self.device) if self.world_size > 1 else model
+
+    def sync_context(self, model: nn.Module, is_last: bool) -> AbstractContextManager[Any]:
+        """Around a micro-batch's forward and backward: reduce gradients only on the last one (DDP / FSDP2)."""
+        return sync_context(model, is_last)
+
+    def prepare_inputs(self, batch: Any) -> Any:
+        """A device micro-batch as the wrapped model expects it (DeepSpeed: floats in the engine's dtype)."""
+        return batch
 
     def weights_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Model weights (and the optimizer state when the backend gathers it); a collective for FSDP."""

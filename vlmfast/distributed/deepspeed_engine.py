@@ -5,7 +5,7 @@ Usage::
     backend = DeepSpeedBackend(TrainSpec(precision="bf16", deepspeed={"enabled": True}), device, world_size)
     engine = backend.initialize(model, optimizer)       # the trainer does this when deepspeed.enabled
     for micro_batch in micro_batches:
-        backend.backward(engine(**backend.cast_inputs(micro_batch)).loss * weight)
+        backend.backward(engine(**backend.prepare_inputs(micro_batch)).loss * weight)
     grad_norm = backend.step()
 
 vlmfast keeps what it owns on the DDP path, so both give the same training: the micro-batch split and the loss
@@ -23,10 +23,12 @@ import copy
 import json
 import logging
 import os
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.utils import recursively_apply
 from torch import nn
 
 from vlmfast.distributed.backend import TorchBackend
@@ -146,17 +148,16 @@ class DeepSpeedBackend(TorchBackend):
     def dtype(self) -> torch.dtype:
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.precision, torch.float32)
 
-    def cast_inputs(self, batch: Any) -> Any:
+    def sync_context(self, model: nn.Module, is_last: bool) -> AbstractContextManager[Any]:
+        # The engine owns the reduction (at backward for ZeRO-2/3, at step for ZeRO-0/1); its no_sync would refuse
+        # ZeRO-2/3.
+        return nullcontext()
+
+    def prepare_inputs(self, batch: Any) -> Any:
         """Floating inputs (pixel values) in the engine's dtype: DeepSpeed casts the weights, not the inputs."""
         if self.dtype == torch.float32:
             return batch
-        if isinstance(batch, torch.Tensor):
-            return batch.to(self.dtype) if batch.is_floating_point() else batch
-        if isinstance(batch, dict):
-            return {key: self.cast_inputs(value) for key, value in batch.items()}
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self.cast_inputs(value) for value in batch)
-        return batch
+        return recursively_apply(lambda t: t.to(self.dtype) if t.is_floating_point() else t, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         # The loss is already this micro-batch's weighted share of the step's loss: no division by GAS.

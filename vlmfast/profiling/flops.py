@@ -137,9 +137,10 @@ class FlopsMeter:
 
     def count(self, micro_batch: Any) -> contextlib.AbstractContextManager[None]:
         """Wrap the forward + backward of `micro_batch`: counted under FlopCounterMode if its shape is new."""
-        if self.method == "analytic" or shape_key(micro_batch) in self.buckets:
+        if self.method == "analytic":
             return contextlib.nullcontext()
-        return self._measure(shape_key(micro_batch))
+        key = shape_key(micro_batch)  # every micro-batch: computed once
+        return contextlib.nullcontext() if key in self.buckets else self._measure(key)
 
     def flops(self, micro_batch: Any) -> float:
         """Model FLOPs of one forward + backward of `micro_batch` (pass the host batch: the mask is read)."""
