@@ -19,7 +19,7 @@ def main(steps: int = 50) -> float:
         micro_batch_size=4,  # 4 micro-batches per optimizer step; the gradient is the full-batch one
         precision="bf16",  # autocast on CPU and GPU
         optimizer={"lr": 2e-3, "param_groups": [{"modules": ["vision_tower"], "lr": 1e-3}]},
-        scheduler={"name": "cosine", "warmup_steps": 5},
+        scheduler={"name": "cosine", "warmup_steps": steps // 10},
         grad_clip=1.0,
         log={"progress": "off"},
     )

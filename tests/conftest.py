@@ -23,7 +23,7 @@ class TinyCausalLM(nn.Module):
 
     def forward(self, input_ids, labels=None, attention_mask=None):
         h = self.dropout(self.embed(input_ids))
-        h = h + torch.tanh(self.mix(torch.cumsum(h, dim=1) / torch.arange(1, h.shape[1] + 1)[:, None]))
+        h = h + torch.tanh(self.mix(torch.cumsum(h, dim=1) / torch.arange(1, h.shape[1] + 1, device=h.device)[:, None]))
         logits = self.head(self.norm(h))
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
         return {"loss": loss, "logits": logits}

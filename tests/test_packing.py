@@ -210,12 +210,16 @@ def test_trainer_with_packing_trains_the_same_as_padding() -> None:
     from vlmfast import OptimizedTrainer, TrainSpec
     from vlmfast.models import build_tiny_vlm_task
 
+    reports = []
+
     def run(packing: dict) -> tuple[list[dict], dict]:
         model, dataset, collate = build_tiny_vlm_task(seed=0, num_samples=64)
         spec = TrainSpec(max_steps=3, batch_size=8, micro_batch_size=2, optimizer={"lr": 1e-3}, packing=packing,
                          data={"shuffle": False}, log={"progress": "off"})
         trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)
-        return trainer.fit().history, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        result = trainer.fit()
+        reports.append(result.report.to_text())
+        return result.history, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
     padded, padded_weights = run({"enabled": False})
     packed, packed_weights = run({"enabled": True, "max_tokens": 64})
@@ -223,6 +227,8 @@ def test_trainer_with_packing_trains_the_same_as_padding() -> None:
     # Real tokens, not padded rows: the packed rows also hold the tiny VLM's 9 image placeholders per sample,
     # which the padded batch leaves to the model.
     assert [m["tokens"] for m in packed] == [m["tokens"] + 9 * 8 for m in padded]
+    assert [m["samples"] for m in packed] == [8, 8, 8]  # samples, not the fewer packed rows
+    assert "packing: rows of 64 tokens" in reports[1] and "packing" not in reports[0]
     assert packed[0]["accumulation_steps"] < padded[0]["accumulation_steps"]  # fewer rows: packing happened
     for name, value in padded_weights.items():
         torch.testing.assert_close(packed_weights[name], value, rtol=1e-3, atol=5e-5)  # Adam: 3 steps of 1e-3

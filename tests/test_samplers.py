@@ -191,3 +191,14 @@ def test_spec_field():
     assert TrainSpec(data={"group_by_length": "modality_length"}).data.group_by_length == "modality_length"
     with pytest.raises(ValueError, match="group_by_length"):
         TrainSpec(data={"group_by_length": "tokens"})
+
+
+def test_the_trainer_groups_by_length_and_says_so_in_the_report() -> None:
+    from vlmfast import OptimizedTrainer
+    from vlmfast.models import build_tiny_vlm_task
+
+    model, dataset, collate = build_tiny_vlm_task(seed=0, num_samples=32)
+    spec = TrainSpec(max_steps=1, batch_size=8, data={"group_by_length": "length"}, log={"progress": "off"})
+    trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)
+    assert type(trainer.loader.sampler).__name__ == "LengthGroupedSampler"
+    assert "data: grouped by length" in trainer.fit().report.to_text()

@@ -12,7 +12,9 @@ Usage::
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 import re
 import shutil
 import time
@@ -21,9 +23,15 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file that torch.load cannot read; the message names it."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -121,7 +129,17 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: expected a folder with {STATE_FILE}")
-    return torch.load(file, map_location=map_location, weights_only=True)
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except (PermissionError, FileNotFoundError):
+        raise
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:  # torch.load on bad bytes
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CorruptCheckpointError(
+            f"{file} cannot be read: it is truncated or corrupt, or not a vlmfast checkpoint ({type(exc).__name__}: "
+            f"{reason}). Checkpoints are written atomically, so something changed it afterwards: delete that folder "
+            "to resume from the previous checkpoint"
+        ) from exc
 
 
 def resume_path(resume: str, directory: str | Path | None) -> Path | None:
@@ -138,17 +156,94 @@ def resume_path(resume: str, directory: str | Path | None) -> Path | None:
     return path
 
 
-def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], fields: tuple[str, ...]) -> None:
-    """Refuse to continue a run whose spec changed in a field that would silently mix two trainings."""
+# Spec fields whose change on resume would silently mix two trainings, refused with the reason: the checkpoint's
+# optimizer/scheduler state would override the new value, its data position counts batches of the old order, or
+# its state has another backend's layout. A field listed under one of these prefixes is refused too.
+REFUSED_ON_RESUME: dict[str, str] = {
+    "seed": "the data order and the saved data position follow the seed",
+    "batch_size": "the saved data position counts batches of the old size",
+    "data.shuffle": "the saved data position points into the old sample order",
+    "data.drop_last": "the saved data position points into the old sample order",
+    "data.group_by_length": "the saved data position points into the old sample order",
+    "optimizer": "the optimizer state in the checkpoint carries the old setting and would silently override it",
+    "scheduler": "the scheduler state in the checkpoint carries the old schedule, so lr would jump or be ignored",
+    "deepspeed.enabled": "the checkpoint holds another backend's state layout",
+    "deepspeed.zero_stage": "the checkpoint holds another ZeRO stage's shards",
+    "fsdp.enabled": "the checkpoint holds another backend's state layout",
+}
+ALLOWED_ON_RESUME = ("optimizer.implementation",)  # the kernel choice: not part of the optimizer state
+# Allowed, but they change what is trained from here on: said in a warning (other changes are logged as info).
+CHANGES_TRAINING_ON_RESUME = ("max_steps", "precision", "grad_clip", "loss.weighting", "loss.shift_labels",
+                              "loss.ignore_index", "loss.label_key", "packing.enabled", "packing.max_tokens")
+
+
+class _Absent:
+    """A spec field that the checkpoint's vlmfast version did not have yet."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_MISSING = _Absent()
+
+
+def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], fields: tuple[str, ...] = ()) -> None:
+    """Refuse to continue a run whose spec changed in a field that would silently mix two trainings (`fields` and
+    :data:`REFUSED_ON_RESUME`); say which other fields changed and what that means."""
     from vlmfast.spec import SpecError
 
-    for dotted in fields:
+    changed = _changed_fields(saved, current)
+    for dotted in fields:  # the caller's own list, checked even when absent from the flattened spec
         old, new = _get_dotted(saved, dotted), _get_dotted(current, dotted)
         if old != new:
+            changed.setdefault(dotted, (old, new))
+    for dotted, (old, new) in changed.items():
+        reason = _refusal(dotted, fields)
+        if reason is not None and old is not _MISSING:  # a field newer than the checkpoint's vlmfast is no change
             raise SpecError(
-                f"cannot resume: the checkpoint was written with {dotted}={old!r} but the spec now says {new!r}. "
-                f"Restore {dotted}, or start a fresh run (save.resume: never, or another save.dir)."
+                f"cannot resume: the checkpoint was written with {dotted}={old!r} but the spec now says {new!r} "
+                f"({reason}). Restore {dotted}: {old!r} to continue this run, or start a new one (save.resume: never, "
+                "or another save.dir), loading the checkpoint's model weights yourself if you want to keep them."
             )
+    _log_allowed_changes(changed, saved)
+
+
+def _refusal(dotted: str, fields: tuple[str, ...]) -> str | None:
+    if dotted in ALLOWED_ON_RESUME:
+        return None
+    for prefix, reason in REFUSED_ON_RESUME.items():
+        if dotted == prefix or dotted.startswith(prefix + "."):
+            return reason
+    return "this run refuses to change it on resume" if dotted in fields else None
+
+
+def _log_allowed_changes(changed: dict[str, tuple[Any, Any]], saved: dict[str, Any]) -> None:
+    if not changed:
+        return
+    text = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+    training = [k for k in changed if any(k == p or k.startswith(p + ".") for p in CHANGES_TRAINING_ON_RESUME)]
+    if not training:
+        log.info("resuming with a changed spec: %s (the state carries over unchanged)", text)
+        return
+    schedule = _get_dotted(saved, "scheduler.name") not in (None, "constant") and "max_steps" in training
+    log.warning("resuming with a changed spec: %s. %s change(s) what is trained from here on%s", text,
+                ", ".join(training), "; the lr schedule now spans the new max_steps" if schedule else "")
+
+
+def _changed_fields(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    old, new = _flatten(saved), _flatten(current)
+    keys = sorted(old.keys() | new.keys())
+    return {k: (old.get(k, _MISSING), new.get(k, _MISSING)) for k in keys if old.get(k, _MISSING) != new.get(k)}
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _get_dotted(data: dict[str, Any], dotted: str) -> Any:

@@ -21,7 +21,14 @@ from vlmfast.data.autotune import autotune_num_workers
 from vlmfast.data.batch import move_to_device, split_batch
 from vlmfast.data.images import BatchImagePreprocessor, preprocess_images
 from vlmfast.data.mmap import MemmapTensorDataset, MemmapTokenDataset, write_tensors, write_token_sequences
-from vlmfast.data.packing import PackingCollator, build_packing_collator, count_packed_tokens, pack_documents, plan_rows
+from vlmfast.data.packing import (
+    PackingCollator,
+    build_packing_collator,
+    count_packed_tokens,
+    pack_documents,
+    packed_batch_counts,
+    plan_rows,
+)
 from vlmfast.data.prefetch import DevicePrefetcher
 from vlmfast.data.samplers import LengthGroupedSampler, dataset_lengths, padding_waste
 from vlmfast.data.shards import ShardDataset, write_shards
@@ -125,6 +132,7 @@ __all__ = [
     "move_to_device",
     "oom_advice",
     "pack_documents",
+    "packed_batch_counts",
     "padding_waste",
     "peak_memory_gb",
     "peak_tflops",

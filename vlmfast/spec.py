@@ -14,14 +14,17 @@ still be validated on a laptop.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Precision = Literal["fp32", "bf16", "fp16"]
+DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu|hpu|npu)(:\d+)?")
 
 
 class SpecError(ValueError):
@@ -74,7 +77,26 @@ def _check_backend(spec: TrainSpec) -> None:
 
 
 def _section_label(cls: type[BaseModel]) -> str:
-    return "the spec" if cls is TrainSpec else f"section '{cls.__name__.removesuffix('Spec').lower()}'"
+    if cls is TrainSpec:
+        return "the spec"
+    return f"section '{_section_paths().get(cls, cls.__name__.removesuffix('Spec').lower())}'"
+
+
+@functools.cache
+def _section_paths() -> dict[type[BaseModel], str]:
+    """Each section class -> its dotted place in the spec, e.g. PowerSGDSpec -> ddp.powersgd."""
+    paths: dict[type[BaseModel], str] = {}
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            inner = get_args(field.annotation) or (field.annotation,)  # list[ParamGroupSpec] too
+            for cls in inner:
+                if isinstance(cls, type) and issubclass(cls, Section) and cls not in paths:
+                    paths[cls] = f"{prefix}{name}"
+                    walk(cls, f"{prefix}{name}.")
+
+    walk(TrainSpec, "")
+    return paths
 
 
 class ParamGroupSpec(Section):
@@ -286,8 +308,8 @@ class DataSpec(Section):
     image_mean: tuple[float, float, float] = Field((0.5, 0.5, 0.5), description="normalisation mean (0-1 scale)")
     image_std: tuple[float, float, float] = Field((0.5, 0.5, 0.5), description="normalisation std (0-1 scale)")
     max_bad_sample_fraction: float = Field(
-        0.01, ge=0, le=1, description="WebDataset shards: stop with an error naming the shard when more than this "
-        "share of samples is corrupt or unreadable (they are skipped and counted until then)"
+        0.01, ge=0, le=1, description="stop with an error naming the sample (or shard) when more than this share of "
+        "samples (over at least 100) is unreadable or does not fit its batch; they are skipped and counted until then"
     )
 
     @field_validator("num_workers")
@@ -334,6 +356,10 @@ class LogSpec(Section):
     )
     tensorboard: bool = Field(False, description="also write TensorBoard events to dir (needs tensorboard)")
     progress: Literal["auto", "on", "off"] = Field("auto", description="progress bar; auto: only on a terminal")
+    history_steps: int = Field(
+        10_000, ge=1, description="per-step metrics kept in memory (FitResult.history, the report's percentiles); "
+        "older ones are dropped so long runs do not grow (metrics.jsonl keeps every step)"
+    )
 
     @field_validator("progress", mode="before")
     @classmethod
@@ -491,6 +517,14 @@ class TrainSpec(Section):
     log: LogSpec = Field(default_factory=LogSpec)
     profile: ProfileSpec = Field(default_factory=ProfileSpec)
 
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        # Checked here so a typo fails validation, not torch.device() deep inside the run.
+        if not DEVICE_NAME.fullmatch(value):
+            raise ValueError(f"device '{value}' is not a device name: use auto, cpu, cuda, cuda:N, mps or xpu[:N]")
+        return value
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> TrainSpec:
         mbs = self.micro_batch_size
@@ -521,6 +555,13 @@ class TrainSpec(Section):
         if self.ddp.comm_wrapper != "none" and "powersgd" not in self.ddp.comm_hook:
             raise ValueError(f"ddp.comm_wrapper '{self.ddp.comm_wrapper}' wraps PowerSGD only: set ddp.comm_hook to "
                              "powersgd or batched_powersgd, or use ddp.comm_hook: fp16/bf16 for plain compression")
+        splits = mbs not in (None, self.batch_size) or self.oom.enabled
+        if self.packing.enabled and self.packing.image_layout == "flat" and splits:
+            raise ValueError(
+                "packing.image_layout 'flat' puts the batch's images in one tensor that cannot be split into "
+                "micro-batches: set micro_batch_size to batch_size and oom.enabled: false, or use "
+                "packing.image_layout: per_row"
+            )
         if self.log.tensorboard and self.log.dir is None:
             raise ValueError("log.tensorboard needs log.dir: set log.dir to a folder")
         _check_backend(self)

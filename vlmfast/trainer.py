@@ -36,11 +36,11 @@ from vlmfast.checkpoint import (
 )
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
-from vlmfast.data.packing import build_packing_collator, count_packed_tokens
+from vlmfast.data.packing import build_packing_collator, packed_batch_counts
 from vlmfast.data.prefetch import device_batches
 from vlmfast.distributed.backend import build_backend
 from vlmfast.distributed.ddp import explain_ddp_error
-from vlmfast.distributed.process_group import apply_nccl_presets, init_distributed
+from vlmfast.distributed.process_group import apply_nccl_presets, explain_rank_failure, init_distributed
 from vlmfast.evaluation import evaluate_loss
 from vlmfast.interrupt import InterruptGuard
 from vlmfast.memory.advice import memory_summary, oom_advice
@@ -67,9 +67,6 @@ from vlmfast.strategies.precision import MixedPrecision
 from vlmfast.utils import resolve_device, rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger(__name__)
-
-# Spec fields a checkpoint must agree with: changing them mid-run would silently mix two different trainings.
-RESUME_INVARIANTS = ("batch_size", "seed", "optimizer.name")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -216,8 +213,9 @@ class OptimizedTrainer:
         result = FitResult(history=history, report=None, resumed_from=resumed_from)  # type: ignore[arg-type]
         metrics_logger = MetricsLogger(self.spec.log, self.spec.max_steps, self.state.step, self.is_main_process)
         self._fire("on_fit_start")
-        start = time.perf_counter()
-        with metrics_logger, InterruptGuard(self.spec.save.on_interrupt) as guard:
+        start, first_step = time.perf_counter(), self.state.step
+        rank_failure = explain_rank_failure(self.world_size, self.spec.ddp.timeout_minutes)  # no silent hang
+        with metrics_logger, InterruptGuard(self.spec.save.on_interrupt) as guard, rank_failure:
             if resumed_from is not None:
                 metrics_logger.write(f"resumed from {resumed_from} at step {self.state.step}")
             tick = time.perf_counter()
@@ -232,6 +230,7 @@ class OptimizedTrainer:
                 metrics.update(self._throughput(metrics, step_time=now - tick, data_time=data_time))
                 tick = now
                 history.append(metrics)
+                _bound(history, self.spec.log.history_steps)
                 metrics_logger.log_step(metrics)
                 self._fire("on_step_end", metrics)
                 self._periodic_eval_and_save(result)
@@ -245,7 +244,10 @@ class OptimizedTrainer:
             if self.eval_data is not None and not result.interrupted:
                 result.eval_loss = self._record_eval(result)
             result.report = self._build_report(history, time.perf_counter() - start)
+            result.report.steps = self.state.step - first_step  # history may hold only the latest steps
             result.report.extra.update(self.timer.finish(history))
+            if bad := getattr(self.loader, "sample_counts", dict)().get("bad"):
+                result.report.extra["bad samples skipped"] = bad
             if self.is_main_process:
                 metrics_logger.write(result.report.to_text())
                 self._write_report(result.report)
@@ -263,8 +265,10 @@ class OptimizedTrainer:
         self.state.step += 1
         self.state.micro_batch_size = self.accumulation.micro_batch_size
         self.state.accumulation_steps = len(plan.micro_batches)
-        samples = batch_size_of(batch)
-        tokens = count_packed_tokens(batch) if self.spec.packing.enabled else count_input_tokens(batch)
+        if self.spec.packing.enabled:  # rows hold several samples
+            samples, tokens = packed_batch_counts(batch)
+        else:
+            samples, tokens = batch_size_of(batch), count_input_tokens(batch)
         self.state.samples_seen += samples * self.world_size
         self.state.tokens_seen += tokens * self.world_size
         metrics = {"step": self.state.step, "loss": loss, "lr": lr,
@@ -453,8 +457,8 @@ class OptimizedTrainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (refuses a checkpoint of a different run; see RESUME_INVARIANTS)."""
-        check_resume_compatible(state["spec"], self.spec.to_dict(), RESUME_INVARIANTS)
+        """Restore :meth:`state_dict` (refuses a checkpoint of a different run: see checkpoint.REFUSED_ON_RESUME)."""
+        check_resume_compatible(state["spec"], self.spec.to_dict())
         if "model" in state:  # absent when the backend keeps sharded checkpoints (DeepSpeed)
             self.backend.load_weights_state_dict(self.model, self.optimizer, state)
         for strategy in self.strategies:
@@ -524,8 +528,15 @@ class OptimizedTrainer:
             history, wall_time, world_size=self.world_size, peak_memory_gb=peak_memory_gb(self.device),
             device=self.device.type, skipped_steps=self.state.skipped_steps,
             strategies=[s.describe() for s in self.strategies  # a backend that owns precision describes it
-                        if not (s is self.precision and self.backend.owns_precision)] + self.backend.describe(),
+                        if not (s is self.precision and self.backend.owns_precision)]
+            + self.backend.describe() + self._describe_data(),
         )
+
+    def _describe_data(self) -> list[str]:
+        """Report lines for the data-side switches, which are not strategies (they act in the loader)."""
+        packing, grouping = self.spec.packing, self.spec.data.group_by_length
+        lines = [f"packing: rows of {packing.max_tokens} tokens ({packing.algorithm})"] if packing.enabled else []
+        return lines + ([f"data: grouped by {grouping.replace('_', ' ')}"] if grouping != "none" else [])
 
     def _write_report(self, report: RunReport) -> None:
         if self.spec.log.dir is not None:
@@ -536,6 +547,12 @@ class OptimizedTrainer:
             hook = getattr(callback, event, None)
             if hook is not None:
                 hook(self, *args)
+
+
+def _bound(history: list[dict[str, Any]], keep: int) -> None:
+    """Drop the oldest metrics beyond `keep` (in chunks: amortised O(1) per step)."""
+    if len(history) > keep + max(keep // 4, 1):
+        del history[: len(history) - keep]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

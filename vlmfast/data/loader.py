@@ -1,10 +1,14 @@
 """The training loader: yields whole per-rank optimizer batches forever and can resume mid-epoch exactly.
 
+A sample that cannot be read, or does not fit its batch (other keys, another shape), is dropped from the batch and
+counted, up to ``data.max_bad_sample_fraction``; then the error names it (``vlmfast.data.bad_samples``).
+
 Usage::
 
     loader = ResumableLoader(dataset, batch_size=16, spec=DataSpec(num_workers="auto"), seed=0, collate_fn=collate)
     batch = next(loader)                       # loader.state_dict() -> {"epoch": 0, "batch_in_epoch": 1}
     loader.autotune.reason                     # with num_workers auto: the choice and why (also logged)
+    loader.sample_counts()                     # {"samples": 120, "bad": 1}
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from vlmfast.data.autotune import AutotuneResult, autotune_num_workers
+from vlmfast.data.bad_samples import BadSampleCounts, CheckedCollate, IndexedDataset
 from vlmfast.data.samplers import LengthGroupedSampler, check_groupable, dataset_lengths
 from vlmfast.spec import DataSpec
 
@@ -82,6 +87,7 @@ class ResumableLoader:
         self._iterator: Iterator[Any] | None = None
         self.sampler: EpochSampler | LengthGroupedSampler | None = None
         self.autotune: AutotuneResult | None = None  # with num_workers auto: the measured choice and why
+        self.bad_samples = BadSampleCounts()  # samples read / bad ones skipped (a user DataLoader's: not seen)
         check_groupable(data, spec.group_by_length)  # a stream or a user DataLoader cannot be reordered
         if isinstance(data, DataLoader):
             if data.batch_size is not None and data.batch_size != batch_size:
@@ -92,7 +98,11 @@ class ResumableLoader:
                 log.warning("%d ranks share a user DataLoader without a DistributedSampler: every rank may see the "
                             "same batches; pass the Dataset instead and vlmfast shards it", world_size)
             return
-        if isinstance(data, IterableDataset):
+        stream = isinstance(data, IterableDataset)
+        # Bad samples (unreadable, wrong keys or shapes) are dropped from their batch and counted, or named in an error.
+        checked = CheckedCollate(collate_fn, self.bad_samples, spec.max_bad_sample_fraction, indexed=not stream)
+        source = data if stream else IndexedDataset(data)
+        if stream:
             self._configure_stream(data, spec, world_size)
             sampler, generator = None, None
         else:
@@ -109,7 +119,7 @@ class ResumableLoader:
             generator = torch.Generator().manual_seed(seed)  # deterministic worker seeds
 
         def build(num_workers: int, persistent: bool = spec.persistent_workers) -> DataLoader:
-            return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+            return DataLoader(source, batch_size=batch_size, sampler=sampler, collate_fn=checked,
                               drop_last=spec.drop_last, generator=generator,
                               **_loader_kwargs(spec, pin_memory, num_workers, persistent))
 
@@ -120,6 +130,7 @@ class ResumableLoader:
             num_workers = self.autotune.num_workers
             if hasattr(data, "reset_counts"):  # the measurement's reads are not part of training
                 data.reset_counts()
+            self.bad_samples.reset()
         self.loader = build(num_workers)
 
     @staticmethod
@@ -163,6 +174,10 @@ class ResumableLoader:
             for _ in range(self.batch_in_epoch):
                 next(iterator)
         return iterator
+
+    def sample_counts(self) -> dict[str, int]:
+        """Samples delivered and bad samples skipped so far (summed over workers): {"samples": n, "bad": m}."""
+        return self.bad_samples.as_dict()
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}

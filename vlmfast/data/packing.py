@@ -43,6 +43,7 @@ __all__ = [
     "count_packed_tokens",
     "disable_kv_cache",
     "pack_documents",
+    "packed_batch_counts",
     "plan_rows",
     "unpad_batch",
 ]
@@ -270,6 +271,19 @@ def disable_kv_cache(model: nn.Module) -> None:
 
 def count_packed_tokens(batch: Mapping[str, Any], pad_id: int = 0) -> int:
     """Real tokens of a packed batch: everything but each row's trailing padding (image placeholders count)."""
+    return packed_batch_counts(batch, pad_id)[1]
+
+
+def packed_batch_counts(batch: Mapping[str, Any], pad_id: int = 0) -> tuple[int, int]:
+    """(samples, real tokens) of a packed batch, read with one host sync: a sample starts where its positions
+    restart at 0 before the row's trailing padding (whose positions restart too)."""
     ids = batch["input_ids"]
-    trailing = (ids == pad_id).flip(-1).long().cumprod(-1).sum()
-    return int(ids.numel() - trailing)
+    padding = (ids == pad_id).flip(-1).long().cumprod(-1).flip(-1).bool()
+    positions = batch.get("position_ids")
+    if positions is None:  # not from PackingCollator: one sample per row
+        starts = ids.new_zeros(()) + ids.shape[0]
+    else:
+        text_positions = positions[0] if positions.dim() == 3 else positions  # mRoPE: channel 0 restarts per sample
+        starts = ((text_positions == 0) & ~padding).sum()
+    samples, tokens = torch.stack([starts, (~padding).sum()]).tolist()
+    return int(samples), int(tokens)

@@ -44,6 +44,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from vlmfast.data.bad_samples import BadSampleError, TooManyBadSamplesError
+
+__all__ = ["BadSampleError", "CaptionTokens", "ShardDataset", "TooManyBadSamplesError", "write_shards"]
+
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
@@ -203,14 +207,6 @@ def _undecodable(data: bytes) -> str | None:
 
 
 # ---- reading ---------------------------------------------------------------------------------------------------
-class TooManyBadSamplesError(RuntimeError):
-    """More samples than `max_bad_fraction` were corrupt or unreadable."""
-
-
-class BadSampleError(ValueError):
-    """One sample could not be decoded; the message names its shard and key."""
-
-
 @dataclass
 class CaptionTokens:
     """A `to_sample` for the tiny VLM: {"image", "text"} -> {"image": uint8 [3, H, W], "input_ids": LongTensor}."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from vlmfast.distributed import fsdp
 from vlmfast.distributed.ddp import wrap_ddp
+from vlmfast.distributed.process_group import ensure_process_group
 from vlmfast.spec import TrainSpec
 from vlmfast.strategies.accumulation import sync_context
 
@@ -64,7 +65,11 @@ class TorchBackend:
         """Read back what :meth:`save_shards` wrote (all ranks call it)."""
 
     def describe(self) -> list[str]:
-        return []
+        if self.world_size == 1:
+            return []
+        ddp = self.spec.ddp
+        hook = "" if ddp.comm_hook == "none" else f", comm hook {ddp.comm_hook}"
+        return [f"ddp: {self.world_size} ranks, buckets {ddp.bucket_cap_mb:g} MB{hook}"]
 
 
 class FSDPBackend(TorchBackend):
@@ -74,6 +79,7 @@ class FSDPBackend(TorchBackend):
     owns_precision = True  # FSDP's MixedPrecisionPolicy
 
     def wrap(self, model: nn.Module, optimization: Optimization) -> nn.Module:
+        ensure_process_group()  # a one-rank group when run without a launcher
         model = fsdp.shard_model(model, self.spec.fsdp, self.spec.precision)
         optimization.apply(model)  # again: the optimizer must hold the sharded (DTensor) parameters
         optimization.owns_optimizer_state = False  # gathered with the model in weights_state_dict

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from accelerate.utils import recursively_apply
 from torch import nn
 
 from vlmfast.distributed.backend import TorchBackend
+from vlmfast.distributed.process_group import ensure_process_group
 from vlmfast.spec import SpecError, TrainSpec
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def build_deepspeed_config(spec: TrainSpec, world_size: int) -> dict[str, Any]:
     for key in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
                 "stage3_prefetch_bucket_size"):
         value = getattr(section, key)
-        if value is not None or key in section.model_fields_set:
+        if value is not None:  # None: DeepSpeed's default or the user's JSON
             zero[key] = value
     _set_offload(zero, "offload_optimizer", section.offload_optimizer, section.nvme_path)
     _set_offload(zero, "offload_param", section.offload_param, section.nvme_path)
@@ -139,7 +139,7 @@ class DeepSpeedBackend(TorchBackend):
             raise SpecError("deepspeed.enabled needs DeepSpeed: pip install 'vlmfast[deepspeed]' (on a machine "
                             "without CUDA: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)") from exc
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown vlmfast's report
-        _ensure_process_group()
+        ensure_process_group()
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                     dist_init_required=False)
         return self.engine
@@ -186,12 +186,3 @@ class DeepSpeedBackend(TorchBackend):
         offload = "".join(f", {key}={zero[key]['device']}" for key in ("offload_optimizer", "offload_param")
                           if key in zero)
         return [f"deepspeed: ZeRO-{zero['stage']}, {self.spec.precision}{offload}"]
-
-
-def _ensure_process_group() -> None:
-    """DeepSpeed needs a process group even on one process: a private one-rank group, no ports opened."""
-    if torch.distributed.is_initialized():
-        return
-    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's own sanity check reads it
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)

@@ -4,16 +4,24 @@ All three set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; vlmfast
 and gloo on CPU, binds each process to its local GPU, and sets a collective timeout so a rank that dies makes the
 others fail with an error instead of hanging forever.
 
+A peer that dies is noticed at once (its connection closes); one that hangs alive is noticed when a collective has
+waited `timeout_minutes`. :func:`explain_rank_failure` turns the backend's low-level error into a
+:class:`RankFailureError` that says which of the two happened and what to do.
+
 Usage::
 
     env = init_distributed(timeout_minutes=10)      # a no-op for a single process
     env.rank, env.world_size, env.is_main
+    with explain_rank_failure(env.world_size, timeout_minutes=10):
+        train()
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -105,3 +113,58 @@ def _quiet_other_ranks(env: DistributedEnv) -> None:
         logger.removeFilter(old)
     if env.world_size > 1:
         logger.addFilter(_MainRankOnly(env.rank))
+
+
+class RankFailureError(RuntimeError):
+    """A collective failed because another rank died or stopped answering; the message says what to do."""
+
+
+# What gloo / NCCL / the TCP store say when a peer's process is gone, and when it did not answer in time.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+             "remote process exited", "NCCL communicator was aborted", "Socket closed")
+PEER_SILENT = ("Timed out waiting", "Socket Timeout", "Watchdog caught collective operation timeout",
+               "timed out after", "Timeout waiting for key")
+
+
+def explain_collective_error(exc: BaseException, timeout_minutes: float) -> RankFailureError | None:
+    """A :class:`RankFailureError` for a collective's error caused by another rank, else None."""
+    text = str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else distributed_env().rank
+    setting = f"ddp.timeout_minutes ({timeout_minutes:g} min)"
+    if any(p in text for p in PEER_GONE) or isinstance(exc, getattr(torch.distributed, "DistNetworkError", ())):
+        return RankFailureError(
+            f"rank {rank}: another rank died during a collective operation (its connection closed): see that rank's "
+            "log for why (an exception, the out-of-memory killer, a lost node). This rank stops instead of hanging; "
+            f"resume from the last checkpoint. A rank that hangs without dying is detected after {setting}; set "
+            f"ddp.timeout_minutes in the spec to change that. Backend said: {first}"
+        )
+    if any(p in text for p in PEER_SILENT):
+        return RankFailureError(
+            f"rank {rank}: no answer from another rank within {setting} during a collective operation: a rank "
+            "hangs or died (see the other ranks' logs). This rank stops instead of hanging; resume from the last "
+            "checkpoint. If some step legitimately takes longer (a slow checkpoint write or evaluation on one rank), "
+            f"raise ddp.timeout_minutes in the spec. Backend said: {first}"
+        )
+    return None
+
+
+@contextmanager
+def explain_rank_failure(world_size: int, timeout_minutes: float) -> Iterator[None]:
+    """Re-raise a collective's error caused by another rank as :class:`RankFailureError` (no-op for one process)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        explained = explain_collective_error(exc, timeout_minutes) if world_size > 1 else None
+        if explained is None or isinstance(exc, RankFailureError):
+            raise
+        raise explained from exc
+
+
+def ensure_process_group() -> None:
+    """A private one-rank group when none exists: DeepSpeed and FSDP2 need a group even on one process (no ports)."""
+    if torch.distributed.is_initialized():
+        return
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's own sanity check reads it
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)

@@ -14,6 +14,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -232,6 +233,11 @@ class ShapesCaptionDataset(Dataset[dict[str, Any]]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        """Caption tokens per sample (no rendering), for `data.group_by_length` and packing plans."""
+        return [len(self.caption_ids(i)) for i in range(self.num_samples)]
 
     def scene(self, index: int) -> Scene:
         """The random decisions behind sample ``index`` (cheap: nothing is rendered)."""

@@ -1,0 +1,190 @@
+"""Corrupt data: skipped and counted, or a clear error naming the sample (or shard) when it cannot be skipped.
+
+WebDataset shards: a truncated tar, an undecodable image. Map-style datasets: a sample whose reading raises, a
+sample with the wrong keys, a sample with the wrong shape. Past `data.max_bad_sample_fraction` the run stops with an
+error naming the sample; an error that every sample hits is the collate function's, and propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _faults import make_spec, train
+from conftest import TinyCausalLM, TokenDataset
+from PIL import Image
+from torch.utils.data import DataLoader, IterableDataset
+
+from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.data.bad_samples import BadSampleError, TooManyBadSamplesError
+from vlmfast.data.mmap import MemmapTokenDataset, write_token_sequences
+from vlmfast.models import ShapesCaptionDataset, ShapesTokenizer, TinyVLM, TinyVLMConfig, VLMCollator
+
+
+# ---- map-style datasets -----------------------------------------------------------------------------------------
+def spoil(sample: dict[str, torch.Tensor], how: str) -> dict[str, torch.Tensor]:
+    if how == "keys":
+        return {k: v for k, v in sample.items() if k != "attention_mask"}
+    if how == "shape":
+        return {k: torch.cat([v, v[:5]]) for k, v in sample.items()}  # 29 tokens where the others have 24
+    raise OSError(f"cannot read sample file: {how}")  # an unreadable file
+
+
+class SpoiltTokens(TokenDataset):
+    """TokenDataset whose samples in `bad` ({index: "keys" | "shape" | "unreadable"}) are broken that way."""
+
+    def __init__(self, bad: dict[int, str], n: int = 64) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        sample = super().__getitem__(i)
+        return spoil(sample, self.bad[i]) if i in self.bad else sample
+
+
+REASONS = {
+    "keys": r"sample 5: wrong keys \(missing \['attention_mask'\]",
+    "shape": r"sample 5: wrong shape: 'attention_mask' has shape \(29,\) where the others have \(24,\)",
+    "unreadable": r"sample 5: reading it raised OSError: cannot read sample file",
+}
+
+
+@pytest.mark.parametrize("how", list(REASONS))
+def test_a_bad_sample_is_skipped_counted_and_named(how, caplog):
+    spec = make_spec(max_steps=8, data={"shuffle": False})
+    with caplog.at_level(logging.WARNING, logger="vlmfast"):
+        trainer, result = train(spec, data=SpoiltTokens({5: how}))
+    assert trainer.state.step == 8 and all(np.isfinite(m["loss"]) for m in result.history)
+    assert [m["samples"] for m in result.history] == [7] + [8] * 7  # sample 5 left its batch, nothing else did
+    assert trainer.loader.sample_counts() == {"samples": 63, "bad": 1}
+    assert result.report.extra["bad samples skipped"] == 1
+    assert any(re.search(REASONS[how], r.getMessage()) for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("how", list(REASONS))
+def test_bad_samples_above_the_allowed_fraction_stop_naming_the_sample(how):
+    spec = make_spec(max_steps=8, data={"shuffle": False, "max_bad_sample_fraction": 0.0})
+    with pytest.raises(TooManyBadSamplesError, match=REASONS[how] + r".*data.max_bad_sample_fraction 0"):
+        train(spec, data=SpoiltTokens({5: how}))
+
+
+def test_bad_samples_are_counted_across_loader_workers():
+    bad = {3: "keys", 13: "shape", 29: "unreadable", 50: "keys"}  # in four batches, read by two workers
+    spec = make_spec(max_steps=8, data={"shuffle": False, "num_workers": 2, "max_bad_sample_fraction": 0.5})
+    trainer, result = train(spec, data=SpoiltTokens(bad))
+    assert trainer.loader.sample_counts() == {"samples": 60, "bad": 4}
+    assert sum(m["samples"] for m in result.history) == 60
+
+
+def test_a_collate_error_that_every_sample_hits_propagates_unchanged():
+    def collate(samples):
+        raise KeyError("pixel_values")  # the collate function does not suit this data: nobody's sample is bad
+
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), make_spec(), collate_fn=collate)
+    with pytest.raises(KeyError, match="pixel_values") as info:
+        trainer.fit()
+    if sys.version_info >= (3, 11):  # exception notes
+        assert "it is not a bad sample: check collate_fn" in " ".join(info.value.__notes__)
+    assert trainer.loader.sample_counts()["bad"] == 0
+
+
+def test_a_batch_of_only_bad_samples_is_an_error_naming_them():
+    spec = make_spec(max_steps=2, data={"shuffle": False, "max_bad_sample_fraction": 1.0})
+    with pytest.raises(BadSampleError, match=r"every sample of a batch is bad \(sample 0: reading it raised"):
+        train(spec, data=SpoiltTokens(dict.fromkeys(range(8), "unreadable")))
+
+
+class TokenStream(IterableDataset):
+    """A stream of token samples; the `bad` positions come with the wrong keys."""
+
+    def __init__(self, bad: set[int]) -> None:
+        self.data, self.bad = TokenDataset(64), bad
+
+    def __iter__(self):
+        for i in range(len(self.data)):
+            yield spoil(self.data[i], "keys") if i in self.bad else self.data[i]
+
+
+def test_a_bad_sample_in_a_stream_is_skipped_and_named_by_its_place_in_the_batch(caplog):
+    with caplog.at_level(logging.WARNING, logger="vlmfast"):
+        trainer, _ = train(make_spec(max_steps=4), data=TokenStream({10}))
+    assert trainer.loader.sample_counts() == {"samples": 31, "bad": 1}
+    assert "sample 2 of its batch: wrong keys" in caplog.text
+
+
+def test_memmap_bad_input_is_refused_and_loses_no_data(tmp_path: Path):
+    write_token_sequences([[1, 2, 3]], tmp_path / "train", vocab_size=10)
+    with pytest.raises(ValueError, match=r"sequence 1 has token id 300 outside 0\.\.255"):
+        write_token_sequences([[1], [300]], tmp_path / "train", vocab_size=200)
+    assert MemmapTokenDataset(tmp_path / "train")[0]["input_ids"].tolist() == [1, 2, 3]  # the old data is intact
+    assert not list(tmp_path.glob("*.tmp*"))
+    (tmp_path / "train.bin").write_bytes(b"\x01\x02")
+    with pytest.raises(ValueError, match="does not match the 3 tokens"):
+        MemmapTokenDataset(tmp_path / "train")
+    with pytest.raises(FileNotFoundError, match="write_token_sequences"):
+        MemmapTokenDataset(tmp_path / "missing")
+
+
+# ---- WebDataset shards ------------------------------------------------------------------------------------------
+wds = pytest.importorskip("webdataset")
+from vlmfast.data.shards import CaptionTokens, ShardDataset, write_shards  # noqa: E402
+
+
+def image_folder(folder: Path, n: int, broken: tuple[int, ...] = ()) -> Path:
+    """Solid-colour images captioned 'sample i' (PNG and JPEG alternate); `broken` ones are not images."""
+    folder.mkdir(parents=True)
+    for i in range(n):
+        path = folder / f"img_{i}.{'png' if i % 2 else 'jpg'}"
+        Image.fromarray(np.full((6 + i % 5, 7 + i % 3, 3), 8 * i, dtype=np.uint8)).save(path)
+        if i in broken:
+            path.write_bytes(b"not an image")
+        (folder / f"img_{i}.txt").write_text(f"sample {i}")
+    return folder
+
+
+def test_truncated_tar_and_undecodable_image_are_skipped_counted_and_the_run_finishes(tmp_path: Path, monkeypatch):
+    dataset = ShapesCaptionDataset(num_samples=40, seed=0)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        Image.fromarray(dataset[i]["image"].permute(1, 2, 0).numpy()).save(src / f"s{i}.png")
+        (src / f"s{i}.txt").write_text(dataset.scene(i).caption())
+    (src / "s3.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    report = write_shards(src, tmp_path / "shards", max_count=10, progress=False)
+    broken = report.shards[1]
+    broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])  # cut mid-sample
+
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", lambda s: sleeps.append(s))
+    shards = ShardDataset(tmp_path / "shards", to_sample=CaptionTokens(ShapesTokenizer()), max_bad_fraction=0.2)
+    config = TinyVLMConfig(vision_dim=16, vision_layers=1, text_dim=32, text_layers=1, vision_heads=2, text_heads=2)
+    spec = TrainSpec(max_steps=20, batch_size=2, device="cpu", log={"progress": "off"}, memory={"leak_check": False})
+    result = OptimizedTrainer(TinyVLM(config), shards, spec, collate_fn=VLMCollator(image_size=48)).fit()
+
+    assert len(result.history) == 20 and all(np.isfinite(m["loss"]) for m in result.history)
+    counts = shards.counts()
+    assert counts["bad"] >= 2  # the undecodable image + at least one error from the truncated shard
+    assert counts["samples"] >= 40  # more than one epoch: every shard was read
+    assert sleeps == []  # never webdataset's warn_and_continue 0.5 s per bad sample
+
+
+def test_too_many_bad_samples_stop_with_the_shard_named(tmp_path: Path):
+    write_shards(
+        image_folder(tmp_path / "src", 8, broken=(0, 2, 4, 6)), tmp_path / "shards", max_count=4, progress=False
+    )
+    loader = DataLoader(ShardDataset(tmp_path / "shards", max_bad_fraction=0.01), batch_size=None, num_workers=2)
+    with pytest.raises(TooManyBadSamplesError, match=r"(?s)above max_bad_fraction.*shard-00000\d\.tar"):
+        list(loader)
+
+
+def test_bad_samples_in_shards_are_counted_across_workers(tmp_path: Path):
+    write_shards(image_folder(tmp_path / "src", 16, broken=(1, 9)), tmp_path / "shards", max_count=4, progress=False)
+    dataset = ShardDataset(tmp_path / "shards", max_bad_fraction=0.5)
+    assert len(list(DataLoader(dataset, batch_size=None, num_workers=2))) == 14
+    assert dataset.counts() == {"samples": 14, "bad": 2}

@@ -1,0 +1,123 @@
+"""A run killed or interrupted at any moment loses at most the steps since its last checkpoint, and resumes exactly.
+
+- SIGKILL while a checkpoint is being written: the previous checkpoint stays complete, resume continues from it.
+- SIGTERM / Ctrl-C: the current step finishes, a final checkpoint is written, resume continues exactly.
+- A checkpoint that is corrupt or missing is named in the error, never loaded half-way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from _faults import losses, make_spec, train
+
+from vlmfast import Callback, SpecError
+from vlmfast.checkpoint import (
+    CorruptCheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_sigkill_during_a_write_leaves_the_previous_checkpoint_intact(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from vlmfast import checkpoint
+        checkpoint.save_checkpoint({str(tmp_path)!r}, 1, {{"w": torch.arange(10)}})
+        def dying_save(obj, f):
+            f.write(b"partial bytes of a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint.torch.save = dying_save
+        checkpoint.save_checkpoint({str(tmp_path)!r}, 2, {{"w": torch.arange(20)}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()
+    assert list(tmp_path.glob(".tmp-step_00000002-*")), "the killed writer left its temporary folder"
+    latest = latest_checkpoint(tmp_path)
+    assert latest.name == "step_00000001"
+    assert torch.equal(load_checkpoint(latest)["w"], torch.arange(10))
+    save_checkpoint(tmp_path, 2, {"w": torch.arange(20)})  # the next save cleans the leftover
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_while_a_training_run_saves_then_resume_continues_from_the_previous_checkpoint(tmp_path):
+    """A real run saving every 2 steps is SIGKILLed inside the write of step 4: resume starts after step 2 and
+    reproduces the uninterrupted trajectory exactly."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {str(TESTS / "faults")!r}); sys.path.insert(0, {str(TESTS)!r})
+        from _faults import make_spec, train
+        from vlmfast import checkpoint
+        real_save = torch.save
+        def dying_save(obj, f):
+            if isinstance(obj, dict) and obj.get("trainer", {{}}).get("step") == 4:
+                f.write(b"half a checkpoint")
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_save(obj, f)
+        checkpoint.torch.save = dying_save
+        train(make_spec(save={{"dir": {str(tmp_path)!r}, "every_steps": 2}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=100)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]  # step 4 never became a checkpoint
+    assert list(tmp_path.glob(".tmp-step_00000004-*"))
+    _, full = train(make_spec())
+    _, resumed = train(make_spec(save={"dir": str(tmp_path), "every_steps": 2}))
+    assert resumed.resumed_from.name == "step_00000002"
+    assert [m["step"] for m in resumed.history] == list(range(3, 13))
+    assert losses(resumed) == losses(full)[2:]
+    assert not list(tmp_path.glob(".tmp-*"))  # the leftover of the killed writer is gone
+
+
+class SendSignalAt(Callback):
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if metrics["step"] == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_writes_a_final_checkpoint_and_resume_continues_exactly(tmp_path, signum):
+    _, full = train(make_spec())
+    spec = make_spec(save={"dir": str(tmp_path)})
+    _, stopped = train(spec, callbacks=[SendSignalAt(5, signum)])
+    assert stopped.interrupted == signal.Signals(signum).name
+    assert stopped.checkpoint.name == "step_00000005"
+    assert losses(stopped) == losses(full)[:5]
+    _, resumed = train(spec)
+    assert losses(resumed) == losses(full)[5:]
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "step_00000009")
+    with pytest.raises(SpecError, match=r"save.resume: checkpoint .*step_00000009 does not exist"):
+        train(make_spec(save={"dir": str(tmp_path), "resume": str(tmp_path / "step_00000009")}))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupt_checkpoint_is_named_when_resuming(tmp_path, damage):
+    """Checkpoints are atomic, but a disk or a person can still damage one afterwards: it is named, not half-loaded."""
+    train(make_spec(max_steps=4, save={"dir": str(tmp_path)}))
+    state = tmp_path / "step_00000004" / "state.pt"
+    state.write_bytes(b"not a checkpoint" if damage == "garbage" else state.read_bytes()[: state.stat().st_size // 2])
+    with pytest.raises(SpecError, match=r"(?s)cannot resume from .*step_00000004.*truncated or corrupt.*delete that"):
+        train(make_spec(max_steps=6, save={"dir": str(tmp_path)}))
+    with pytest.raises(CorruptCheckpointError, match=r"step_00000004/state.pt cannot be read"):
+        load_checkpoint(state.parent)
