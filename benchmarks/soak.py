@@ -1,7 +1,7 @@
 """Soak: thousands of steps of the tiny VLM on CPU; the process's memory must not grow and steps must not slow down.
 
 One realistic run with the trainer as users get it: several epochs, a checkpoint every `--save-every` steps,
-metrics.jsonl, the default memory monitor. `--history-steps` (default 500) is passed as `log.history_steps`, the
+metrics.jsonl, the default memory monitor. `--history-steps` (default 100) is passed as `log.history_steps`, the
 number of per-step metrics dicts `FitResult.history` keeps, so that the bound engages within the measured window of a
 3000-step run; the default of 10_000 bounds real runs the same way, at ~10 MiB.
 
@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=300, help="steps before memory and time are judged")
     parser.add_argument("--sample-every", type=int, default=10)
     parser.add_argument("--save-every", type=int, default=500)
-    parser.add_argument("--history-steps", type=int, default=500, help="log.history_steps (trainer default 10_000)")
+    parser.add_argument("--history-steps", type=int, default=100, help="log.history_steps (trainer default 10_000)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least jitter on CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from vlmfast.hooks import accumulate_gradients, clip_gradients
+from vlmfast.hooks import accumulate_gradients
 from vlmfast.models import build_tiny_vlm_task
 
 
@@ -32,7 +32,7 @@ def main(steps: int = 50, batch_size: int = 16, micro_batch_size: int = 4, preci
     for step, batch in enumerate(loader, start=1):
         loss = accumulate_gradients(model, batch, micro_batch_size,  # the vlmfast hook
                                     forward_context=accelerator.autocast, backward=accelerator.backward)
-        clip_gradients(list(model.parameters()), 1.0)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)  # unscales fp16 gradients first, then clips
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 10 == 0:

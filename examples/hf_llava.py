@@ -5,10 +5,16 @@ own with --model-path, else one built from a word-level tokenizer and a CLIP ima
 the expansion of <image> into the image tokens and the label masking are those the real model trains with. The
 vision tower is frozen (LLaVA stage 2) and the attention backend is chosen per tower.
 
+Settings, later ones winning: the example's own (lr 2e-5 for real weights, 2e-3 for the tiny model; the vision tower
+frozen), then a --config YAML merged into them field by field (a YAML that sets only optimizer.weight_decay keeps the
+example's lr and freeze), then the flags you pass (--steps, --lr, --precision, ...). The example configs set
+optimizer.lr for the tiny model (zero2_bf16.yaml: 0.002), so with real weights pass --lr as below. A warm-up as long
+as the run (e.g. the config's 20 steps with --steps 20) is cut to a tenth of the run.
+
 Usage:
     python examples/hf_llava.py --steps 20                                      # tiny LLaVA from a config, CPU
     python examples/hf_llava.py --model-path llava-hf/llava-1.5-7b-hf --precision bf16 --steps 1000 \\
-        --config examples/configs/zero2_bf16.yaml                               # your weights (local or cached)
+        --config examples/configs/zero2_bf16.yaml --lr 2e-5                     # your weights (local or cached)
 """
 
 from __future__ import annotations
@@ -96,24 +102,60 @@ class CaptionCollator:
         return {**batch, "labels": labels}
 
 
-def main(steps: int = 20, model_path: str | None = None, precision: str = "fp32", attention: str = "auto",
-         vision_attention: str = "sdpa", config: str | None = None) -> float:
-    """Train for `steps` optimizer steps; returns the last loss."""
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `override`'s fields put in, section by section (a section in `override` does not replace
+    `base`'s whole section, only the fields it sets)."""
+    merged = dict(base)
+    for key, value in override.items():
+        both_sections = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = merge(merged[key], value) if both_sections else value
+    return merged
+
+
+def build_spec(steps: int | None = None, model_path: str | None = None, precision: str | None = None,
+               attention: str | None = None, vision_attention: str | None = None, config: str | None = None,
+               lr: float | None = None) -> TrainSpec:
+    """The example's settings, merged with the fields a `config` YAML sets, then with the arguments given (not None)."""
+    settings: dict[str, Any] = {
+        "max_steps": 20,
+        "batch_size": 8,
+        "micro_batch_size": 4,
+        "precision": "fp32",
+        "grad_clip": 1.0,
+        "optimizer": {"lr": 2e-5 if model_path else 2e-3, "freeze": ["vision_tower"]},
+        "attention": {"backend": "auto", "vision_backend": "sdpa"},
+        "log": {"progress": "auto"},  # the run report is printed at the end
+    }
+    if config:  # only the fields the YAML sets (e.g. deepspeed, activation_checkpointing, optimizer.weight_decay)
+        from_yaml = TrainSpec.from_file(config).model_dump(exclude_unset=True)
+        if model_path and lr is None and "lr" in from_yaml.get("optimizer", {}):
+            print(f"note: {config} sets optimizer.lr {from_yaml['optimizer']['lr']:g} for these weights "
+                  "(the example's default for real weights is 2e-5); pass --lr to choose")
+        settings = merge(settings, from_yaml)
+    given = {"max_steps": steps, "precision": precision, "optimizer": {"lr": lr},
+             "attention": {"backend": attention, "vision_backend": vision_attention}}
+    settings = merge(settings, _without_none(given))
+    scheduler = settings.get("scheduler", {})
+    warmup, max_steps = scheduler.get("warmup_steps", 0), settings["max_steps"]
+    if warmup >= max_steps:  # a config's warm-up would fill a short run (and the spec refuses it)
+        settings["scheduler"] = {**scheduler, "warmup_steps": max_steps // 10}
+        print(f"note: scheduler.warmup_steps {warmup} >= {max_steps} steps; using {max_steps // 10}")
+    return TrainSpec(**settings)
+
+
+def _without_none(data: dict[str, Any]) -> dict[str, Any]:
+    out = {key: _without_none(value) if isinstance(value, dict) else value for key, value in data.items()}
+    return {key: value for key, value in out.items() if value is not None and value != {}}
+
+
+def main(steps: int | None = None, model_path: str | None = None, precision: str | None = None,
+         attention: str | None = None, vision_attention: str | None = None, config: str | None = None,
+         lr: float | None = None) -> float:
+    """Train for `steps` optimizer steps (default: the config's max_steps, else 20); returns the last loss."""
+    spec = build_spec(steps, model_path, precision, attention, vision_attention, config, lr)
     model, processor = load_llava(model_path) if model_path else tiny_llava()
     dataset = ShapesCaptionDataset(num_samples=4096, seed=0)
     collate = CaptionCollator(processor, dataset.tokenizer.decode)
-    settings: dict[str, Any] = {
-        "batch_size": 8,
-        "micro_batch_size": 4,
-        "precision": precision,
-        "grad_clip": 1.0,
-        "optimizer": {"lr": 2e-5 if model_path else 2e-3, "freeze": ["vision_tower"]},
-        "attention": {"backend": attention, "vision_backend": vision_attention},
-        "log": {"progress": "auto"},  # the run report is printed at the end
-    }
-    if config:  # a YAML's fields override these (e.g. deepspeed, activation_checkpointing)
-        settings.update(TrainSpec.from_file(config).model_dump(exclude_unset=True))
-    spec = TrainSpec(**{**settings, "max_steps": steps})
     result = OptimizedTrainer(model, dataset, spec, collate_fn=collate).fit()
     print("attention per sub-model:", hf_attention_implementations(model))
     return result.history[-1]["loss"]
@@ -121,12 +163,14 @@ def main(steps: int = 20, model_path: str | None = None, precision: str = "fp32"
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: the config's max_steps, else 20)")
     parser.add_argument("--model-path", help="LLaVA weights (folder or hub id already in the cache); default: tiny")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--attention", default="auto", help="language model's backend (auto, sdpa, eager, ...)")
-    parser.add_argument("--vision-attention", default="sdpa", help="vision tower's backend")
-    parser.add_argument("--config", help="a spec YAML whose fields override the example's settings")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
+    parser.add_argument("--lr", type=float, help="default: the config's, else 2e-5 with --model-path, 2e-3 tiny")
+    parser.add_argument("--attention", help="language model's backend (auto, sdpa, eager, ...); default: auto")
+    parser.add_argument("--vision-attention", help="vision tower's backend; default: sdpa")
+    parser.add_argument("--config", help="a spec YAML merged into the example's settings (the fields it sets win)")
     args = parser.parse_args()
-    loss = main(args.steps, args.model_path, args.precision, args.attention, args.vision_attention, args.config)
+    loss = main(args.steps, args.model_path, args.precision, args.attention, args.vision_attention, args.config,
+                args.lr)
     print(f"final loss {loss:.4f}")

@@ -53,7 +53,10 @@ class TinyLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        positions = position_ids if position_ids is not None else torch.arange(input_ids.shape[1])[None]
+        if position_ids is None:  # on the input's device: a CPU arange would not index a CUDA embedding
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        else:
+            positions = position_ids
         x = self.embed(input_ids) + self.pos(positions)
         for layer in self.layers:
             x = layer(x, position_ids)

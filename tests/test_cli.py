@@ -49,10 +49,8 @@ def test_bad_overrides_and_tasks_fail_in_one_line(capsys):
 
 
 def test_every_contract_section_is_in_the_spec():
-    # DESIGN.md's top-level names: all of them are real sections now (none is "planned").
-    from vlmfast.spec import PLANNED_SECTIONS
-
+    # DESIGN.md's top-level names: all of them are real sections.
     contract = {"seed", "max_steps", "batch_size", "micro_batch_size", "precision", "optimizer", "scheduler",
                 "grad_clip", "activation_checkpointing", "attention", "oom", "ddp", "deepspeed", "compile", "data",
                 "packing", "profile", "save", "log"}
-    assert contract <= set(TrainSpec.model_fields) and not PLANNED_SECTIONS
+    assert contract <= set(TrainSpec.model_fields)

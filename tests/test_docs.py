@@ -126,6 +126,24 @@ def test_runnable_block(block: Block, tmp_path: Path, monkeypatch: pytest.Monkey
         reset_global_state()
 
 
+def test_misspelt_key_error_is_the_one_the_quick_start_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """quickstart.md's ``text`` block of ``vlmfast spec --check run.yaml`` on ``learning_rate`` is real output (and
+    ways-in.md's "unknown keys name the closest valid one")."""
+    from vlmfast.cli import main as vlmfast
+
+    monkeypatch.chdir(tmp_path)
+    Path("run.yaml").write_text("optimizer:\n  learning_rate: 1.0e-3\n")
+    assert vlmfast(["spec", "--check", "run.yaml"]) == 2
+    out = capsys.readouterr()
+    output = out.out + out.err
+    assert "did you mean 'lr'" in output, output
+    (shown,) = [block for block in code_blocks(DOCS / "quickstart.md") if "did you mean" in block.code]
+    for line in shown.code.splitlines():
+        if not line.startswith("$ "):
+            assert line in output.splitlines(), f"quickstart.md:{shown.line}: {line!r} not in\n{output}"
+
+
 def reset_global_state() -> None:
     """What a snippet may leave behind for the next one: Accelerate's singleton state, a process group."""
     import torch

@@ -18,6 +18,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from vlmfast import OptimizedTrainer
 from vlmfast.cli import main as vlmfast
 from vlmfast.spec import TrainSpec
 
@@ -77,11 +78,26 @@ def test_hand_written_loop_after_differs_by_a_few_lines_of_hooks() -> None:
     assert any("vlmfast.hooks" in line for line in changed)
 
 
-@pytest.mark.parametrize("name", ["hand_written_loop_before", "hand_written_loop_after", "replace_the_loop",
-                                  "accelerate_loop", "fabric_loop", "own_attention"])
+@pytest.mark.parametrize("name", ["hand_written_loop_before", "replace_the_loop", "accelerate_loop", "fabric_loop",
+                                  "own_attention"])
 def test_script_trains_a_few_steps(name: str) -> None:
     loss = load(name).main(steps=2)
     assert math.isfinite(loss)
+
+
+def test_hand_written_loop_after_survives_the_oom_that_stops_the_loop_before(caplog: pytest.LogCaptureFixture) -> None:
+    """What the hooks promise: an OOM at micro-batch 4 halves it and retries the batch, with the same gradient."""
+    from vlmfast.testing import simulated_oom
+
+    with simulated_oom(2), pytest.raises(torch.OutOfMemoryError):  # a forward on more than 2 samples
+        load("hand_written_loop_before").main(steps=2)
+    after = load("hand_written_loop_after")
+    plain = after.main(steps=2)
+    with simulated_oom(2) as oom, caplog.at_level("WARNING", logger="vlmfast.strategies.oom"):
+        shrunk = after.main(steps=2)
+    assert oom.count == 1  # once at micro-batch 4; every later micro-batch has 2 samples
+    assert "micro_batch_size 4 -> 2 (out of memory)" in caplog.text
+    assert shrunk == pytest.approx(plain, rel=1e-3)  # token-weighted: the split does not change the gradient
 
 
 def test_hf_llava_trains_from_a_config_and_from_saved_weights() -> None:
@@ -98,6 +114,46 @@ def test_hf_llava_trains_from_a_config_and_from_saved_weights() -> None:
     model.save_pretrained("saved_llava")
     processor.save_pretrained("saved_llava")
     assert math.isfinite(module.main(steps=2, model_path="saved_llava"))
+
+
+def train_hf_llava(module: ModuleType, monkeypatch: pytest.MonkeyPatch, **kwargs) -> OptimizedTrainer:
+    """Run the example's main(**kwargs); the trainer it built (its spec and model)."""
+    built = []
+
+    class Recorded(OptimizedTrainer):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            built.append(self)
+
+    monkeypatch.setattr(module, "OptimizedTrainer", Recorded)
+    assert math.isfinite(module.main(**kwargs))
+    return built[0]
+
+
+def test_hf_llava_merges_a_config_into_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--config adds the YAML's fields to the example's settings: freeze and the lr for the weights stay unless the
+    YAML or a flag sets them; the config's 20-step warm-up is cut for a 2-step run instead of failing."""
+    pytest.importorskip("transformers")
+    module = load("hf_llava")
+    model, processor = module.tiny_llava()
+    model.save_pretrained("saved_llava")
+    processor.save_pretrained("saved_llava")
+    Path("wd.yaml").write_text("optimizer: {weight_decay: 0.05}\nscheduler: {name: cosine, warmup_steps: 20}\n")
+    spec = train_hf_llava(module, monkeypatch, steps=2, model_path="saved_llava", config="wd.yaml").spec
+    assert spec.optimizer.lr == 2e-5 and spec.optimizer.freeze == ["vision_tower"]  # real weights: the example's
+    assert spec.optimizer.weight_decay == 0.05 and spec.scheduler.name == "cosine"  # the YAML's
+    assert spec.scheduler.warmup_steps == 0 and spec.max_steps == 2
+    assert spec.batch_size == 8 and spec.attention.vision_backend == "sdpa"
+
+    pytest.importorskip("deepspeed")  # the documented command's config
+    zero2 = str(EXAMPLES / "configs" / "zero2_bf16.yaml")
+    trainer = train_hf_llava(module, monkeypatch, steps=2, config=zero2, lr=1e-3)
+    spec = trainer.spec
+    assert spec.optimizer.lr == 1e-3 and spec.optimizer.freeze == ["vision_tower"]  # the flag, the example's
+    assert spec.optimizer.weight_decay == 0.01 and spec.deepspeed.enabled and spec.precision == "bf16"  # the YAML's
+    assert spec.scheduler.warmup_steps == 0 and spec.max_steps == 2
+    vision = [p for name, p in trainer.model.named_parameters() if "vision_tower" in name]
+    assert vision and not any(p.requires_grad for p in vision)
 
 
 def test_webdataset_example_writes_shards_and_trains() -> None:

@@ -87,6 +87,15 @@ def test_phases_accumulate_over_micro_batches_and_only_sampled_steps_report() ->
     assert len(timer.step_times) == 7
 
 
+def test_the_timer_keeps_only_the_latest_steps() -> None:
+    timer = PhaseTimer(CPU, every_steps=2, warmup_steps=0, keep_steps=4)
+    for step in range(1, 21):
+        timer.begin_step(step)
+        timer.end_step()
+    assert len(timer.step_times) == 4 and len(timer.samples) == 2  # a long run does not grow
+    assert timer.summary()["perf/sampled_steps"] == 2
+
+
 def test_nested_phase_is_taken_out_of_the_enclosing_one() -> None:
     timer = PhaseTimer(CPU, every_steps=1, warmup_steps=0)
     timer.begin_step(1)

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import yaml
 
 from vlmfast.spec import TrainSpec, defaults_yaml
@@ -23,3 +24,14 @@ def test_yaml_on_off_reads_as_words(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("log:\n  progress: off\n")  # YAML 1.1 makes this False
     assert TrainSpec.from_file(path).log.progress == "off"
+
+
+@pytest.mark.parametrize(("data", "suggested"), [
+    ({"optimizer": {"learning_rate": 1e-3}}, "lr"),  # a name from another trainer
+    ({"max_grad_norm": 1.0}, "grad_clip"),
+    ({"save": {"output_dir": "runs"}}, "dir"),
+    ({"optimzer": {}}, "optimizer"),  # a typo
+])
+def test_unknown_keys_suggest_the_field_meant(data, suggested):
+    with pytest.raises(ValueError, match=f"did you mean '{suggested}'"):
+        TrainSpec(**data)

@@ -9,7 +9,8 @@ Usage::
 import vlmfast.attention as attention  # callable: vlmfast.attention(q, k, v, ...) dispatches to the active backend
 from vlmfast.callbacks import Callback
 from vlmfast.spec import SpecError, TrainSpec
-from vlmfast.trainer import FitResult, NonFiniteLossError, OptimizedTrainer, TrainState
+from vlmfast.strategies.nonfinite import NonFiniteLossError
+from vlmfast.trainer import FitResult, OptimizedTrainer, TrainState
 
 __version__ = "0.1.0"
 

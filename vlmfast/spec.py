@@ -31,8 +31,15 @@ class SpecError(ValueError):
     """A spec that cannot run; the message names the field and what to change."""
 
 
-# Contract sections (DESIGN.md) whose strategies have not landed yet: a clear message, not "unknown key".
-PLANNED_SECTIONS: dict[str, int] = {}
+# Names users bring from other trainers (HF TrainingArguments, Accelerate, Lightning), mapped to ours.
+KEY_ALIASES: dict[str, str] = {
+    "learning_rate": "lr", "max_grad_norm": "grad_clip", "gradient_clip_val": "grad_clip", "clip_grad": "grad_clip",
+    "max_iters": "max_steps", "num_steps": "max_steps", "train_steps": "max_steps", "mixed_precision": "precision",
+    "fp16": "precision", "bf16": "precision", "gradient_checkpointing": "activation_checkpointing",
+    "per_device_train_batch_size": "micro_batch_size", "train_micro_batch_size_per_gpu": "micro_batch_size",
+    "lr_scheduler_type": "name", "warmup_ratio": "warmup_steps", "dataloader_num_workers": "num_workers",
+    "output_dir": "dir", "save_steps": "every_steps", "save_total_limit": "keep_last", "attn_implementation": "backend",
+}
 
 
 class Section(BaseModel):
@@ -47,14 +54,15 @@ class Section(BaseModel):
             return data
         valid = set(cls.model_fields)
         for key in data:
-            if key not in valid and cls is TrainSpec and key in PLANNED_SECTIONS:
-                raise ValueError(f"'{key}' is part of the vlmfast spec but not implemented in this version yet "
-                                 f"(tracked as issue {PLANNED_SECTIONS[key]}); remove it for now")
             if key not in valid:
-                close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.5)
-                hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
-                raise ValueError(f"unknown key '{key}' in {_section_label(cls)}{hint}")
+                raise ValueError(f"unknown key '{key}' in {_section_label(cls)}{_suggestion(str(key), valid)}")
         return data
+
+
+def _suggestion(key: str, valid: set[str]) -> str:
+    alias = KEY_ALIASES.get(key)
+    close = [alias] if alias in valid else difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
 
 
 def _check_backend(spec: TrainSpec) -> None:
@@ -357,7 +365,7 @@ class LogSpec(Section):
     tensorboard: bool = Field(False, description="also write TensorBoard events to dir (needs tensorboard)")
     progress: Literal["auto", "on", "off"] = Field("auto", description="progress bar; auto: only on a terminal")
     history_steps: int = Field(
-        10_000, ge=1, description="per-step metrics kept in memory (FitResult.history, the report's percentiles); "
+        10_000, ge=1, description="per-step records kept in memory (FitResult.history, the profiler's step times); "
         "older ones are dropped so long runs do not grow (metrics.jsonl keeps every step)"
     )
 

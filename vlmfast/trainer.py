@@ -26,14 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from vlmfast.callbacks import Callback
-from vlmfast.checkpoint import (
-    check_resume_compatible,
-    latest_checkpoint,
-    load_checkpoint,
-    resume_path,
-    save_checkpoint,
-    staging_dir,
-)
+from vlmfast.checkpoint import check_resume_compatible
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
@@ -49,6 +42,7 @@ from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.profiling import RunProfiler
 from vlmfast.reporting import MetricsLogger, RunReport
+from vlmfast.run_checkpoints import resume_trainer, save_if_configured, save_trainer
 from vlmfast.spec import SpecError, TrainSpec, check_environment
 from vlmfast.strategies.accumulation import (
     AccumulationPlan,
@@ -61,16 +55,13 @@ from vlmfast.strategies.attention import AttentionBackend
 from vlmfast.strategies.base import Strategy
 from vlmfast.strategies.checkpointing import ActivationCheckpointing
 from vlmfast.strategies.compile import TorchCompile
+from vlmfast.strategies.nonfinite import handle_nonfinite
 from vlmfast.strategies.oom import OOMFallback
 from vlmfast.strategies.optimizer import Optimization
 from vlmfast.strategies.precision import MixedPrecision
 from vlmfast.utils import resolve_device, rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/Inf and the spec says stop."""
 
 
 @dataclass
@@ -136,7 +127,8 @@ class OptimizedTrainer:
             model = strategy.apply(model)
         self.model = model = self.backend.wrap(model, self.optimization)  # last: strategies change the plain model
         self.timer = RunProfiler(self.spec.profile, model, self.device, precision=self.spec.precision,
-                                 tf32=self.spec.tf32, log_dir=self.spec.log.dir, is_main_process=self.is_main_process)
+                                 tf32=self.spec.tf32, log_dir=self.spec.log.dir, is_main_process=self.is_main_process,
+                                 keep_steps=self.spec.log.history_steps)
         # DDP + OOM fallback: DDP's in-backward all-reduce would strand a peer whose rank hit the OOM, so gradients
         # stay local (no_sync) until all ranks agree the step finished, then are averaged by hand.
         self._manual_grad_sync = self.oom is not None and self.world_size > 1 and hasattr(model, "no_sync")
@@ -206,14 +198,14 @@ class OptimizedTrainer:
     # ---- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> FitResult:
         """Train until `max_steps` (resuming first when `save.resume` finds a checkpoint)."""
-        resumed_from = self._maybe_resume()
+        resumed_from = resume_trainer(self)
         self.model.train()
         reset_peak_memory(self.device)
         history: list[dict[str, Any]] = []
         result = FitResult(history=history, report=None, resumed_from=resumed_from)  # type: ignore[arg-type]
         metrics_logger = MetricsLogger(self.spec.log, self.spec.max_steps, self.state.step, self.is_main_process)
         self._fire("on_fit_start")
-        start, first_step = time.perf_counter(), self.state.step
+        start, first_step, first_loss = time.perf_counter(), self.state.step, None
         rank_failure = explain_rank_failure(self.world_size, self.spec.ddp.timeout_minutes)  # no silent hang
         with metrics_logger, InterruptGuard(self.spec.save.on_interrupt) as guard, rank_failure:
             if resumed_from is not None:
@@ -230,6 +222,7 @@ class OptimizedTrainer:
                 metrics.update(self._throughput(metrics, step_time=now - tick, data_time=data_time))
                 tick = now
                 history.append(metrics)
+                first_loss = metrics["loss"] if first_loss is None else first_loss
                 _bound(history, self.spec.log.history_steps)
                 metrics_logger.log_step(metrics)
                 self._fire("on_step_end", metrics)
@@ -238,13 +231,14 @@ class OptimizedTrainer:
             result.interrupted = interrupted or None
             if interrupted:
                 metrics_logger.write(f"{interrupted} received: saving a final checkpoint and stopping")
-            result.checkpoint = self._save_if_configured(final=True) or result.checkpoint
+            result.checkpoint = save_if_configured(self, final=True) or result.checkpoint
             if self.world_size > 1:  # nobody leaves before rank 0's checkpoint is on disk and DDP work is done
                 torch.distributed.barrier()
             if self.eval_data is not None and not result.interrupted:
                 result.eval_loss = self._record_eval(result)
             result.report = self._build_report(history, time.perf_counter() - start)
-            result.report.steps = self.state.step - first_step  # history may hold only the latest steps
+            # history may hold only the latest steps (log.history_steps): the run's first loss and step count
+            result.report.steps, result.report.first_loss = self.state.step - first_step, first_loss
             result.report.extra.update(self.timer.finish(history))
             if bad := getattr(self.loader, "sample_counts", dict)().get("bad"):
                 result.report.extra["bad samples skipped"] = bad
@@ -360,7 +354,7 @@ class OptimizedTrainer:
         scaler_owns_grads = self.precision.scaler is not None  # fp16: inf grads are the GradScaler's business
         finite = math.isfinite(loss_value) and (scaler_owns_grads or norm_value is None or math.isfinite(norm_value))
         if not finite:
-            self._handle_nonfinite(loss_value, norm_value)
+            handle_nonfinite(self.state, self.spec.loss, loss_value, norm_value, self.optimization.nonfinite_groups())
             self.precision.skip_step()
             self.optimizer.zero_grad(set_to_none=True)
             return loss_value, norm_value, False
@@ -378,27 +372,11 @@ class OptimizedTrainer:
         loss_value = float(loss)
         finite = math.isfinite(loss_value)
         if not finite:  # raises unless fp16, whose loss scaler skips the overflowing step inside the engine
-            self._handle_nonfinite(loss_value, None)
+            handle_nonfinite(self.state, self.spec.loss, loss_value, None, self.optimization.nonfinite_groups())
         norm, applied = self.deepspeed.step()
         if finite:
             self.state.consecutive_skips = 0
         return loss_value, (float(norm) if norm is not None else None), applied and finite
-
-    def _handle_nonfinite(self, loss: float, grad_norm: float | None) -> None:
-        step = self.state.step + 1
-        groups = self.optimization.nonfinite_groups()
-        where = f"; non-finite gradients in {', '.join(groups)}" if groups else ""
-        message = f"step {step}: loss is {loss}" + (f", gradient norm {grad_norm}" if grad_norm is not None else "")
-        policy = self.spec.loss
-        self.state.skipped_steps += 1
-        self.state.consecutive_skips += 1
-        if policy.on_nonfinite == "stop" or self.state.consecutive_skips > policy.max_consecutive_skips:
-            raise NonFiniteLossError(
-                f"{message}{where}. Stopped (loss.on_nonfinite={policy.on_nonfinite}, "
-                f"{self.state.consecutive_skips} non-finite step(s) in a row). Try a lower optimizer.lr, grad_clip, "
-                "precision bf16 instead of fp16, or loss.on_nonfinite: skip; the last checkpoint is intact."
-            )
-        log.warning("%s%s: step skipped (loss.on_nonfinite=skip)", message, where)
 
     def _should_stop(self, guard: InterruptGuard) -> bool:
         self._interrupt = guard.requested
@@ -442,7 +420,7 @@ class OptimizedTrainer:
             result.eval_loss = self._record_eval(result)
         every_save = self.spec.save.every_steps
         if every_save and self.state.step % every_save == 0 and self.state.step < self.spec.max_steps:
-            result.checkpoint = self._save_if_configured()
+            result.checkpoint = save_if_configured(self)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -473,46 +451,8 @@ class OptimizedTrainer:
         set_rng_state(state["rng"])
 
     def save(self, directory: str | Path | None = None) -> Path:
-        """Write a checkpoint now (atomic; rank 0 only) and return its path."""
-        directory = Path(directory or self.spec.save.dir or "checkpoints")
-        path = directory / f"step_{self.state.step:08d}"
-        staged = None
-        if self.backend.sharded_checkpoint:  # every rank writes its shard into rank 0's staging folder first
-            staged = staging_dir(directory, self.state.step, self.world_size)
-            self.backend.save_shards(staged)
-            if self.world_size > 1:
-                torch.distributed.barrier()
-        state = self.state_dict() if self.is_main_process or self.backend.name == "fsdp" else None  # FSDP gathers
-        if self.is_main_process:
-            path = save_checkpoint(directory, self.state.step, state, self.spec.save.keep_last,
-                                   meta={"samples_seen": self.state.samples_seen}, staged=staged)
-            self._fire("on_save", path)
-        return path
-
-    def _save_if_configured(self, final: bool = False) -> Path | None:
-        if self.spec.save.dir is None or self.state.step == 0:
-            return None
-        if final and (latest := latest_checkpoint(self.spec.save.dir)) and latest.name == f"step_{self.state.step:08d}":
-            return latest
-        return self.save()
-
-    def _maybe_resume(self) -> Path | None:
-        path = resume_path(self.spec.save.resume, self.spec.save.dir) if self.is_main_process else None
-        if self.world_size > 1:  # rank 0 decides, so all ranks resume from the same step
-            shared = [path]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            path = shared[0]
-        if path is not None:
-            # On CPU: load_state_dict copies weights and optimizer state to their device, RNG states must stay CPU.
-            try:
-                self.backend.load_shards(path)
-                self.load_state_dict(load_checkpoint(path, map_location="cpu"))
-            except SpecError:
-                raise
-            except Exception as exc:
-                raise SpecError(f"save.resume: cannot resume from {path}: {type(exc).__name__}: {exc}. Is it a "
-                                "vlmfast checkpoint of this model? Use save.resume: never to start afresh") from exc
-        return path
+        """Write a checkpoint now (atomic; all ranks call it, rank 0 writes) and return its path."""
+        return save_trainer(self, directory)
 
     # ---- reporting ------------------------------------------------------------------------------------------
     def _throughput(self, metrics: dict[str, Any], step_time: float, data_time: float) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from the Pydantic models at every build, so it cannot drift from the code.
 from __future__ import annotations
 
 import difflib
-import logging
 import re
 import types
 import typing
@@ -31,11 +30,8 @@ from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
-log = logging.getLogger("mkdocs.hooks.vlmfast")
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_PAGE = "spec-reference.md"
-# Pages other people write; listed in the nav, left out (with an INFO line) until the file exists.
-OPTIONAL_PAGES = ("faults.md",)
 
 DIFF = re.compile(r"^<!-- diff: (\S+) (\S+) -->$", re.MULTILINE)
 RESULTS = re.compile(r"^<!-- results-tables: (\S+) -->$", re.MULTILINE)
@@ -44,17 +40,6 @@ SPEC_FIELDS = re.compile(r"^<!-- spec-fields: ([^>]+?) -->$", re.MULTILINE)
 
 
 # ------------------------------------------------------------------------------------------- mkdocs events
-
-
-def on_config(config: Any) -> Any:
-    """Drop nav entries of optional pages that do not exist yet (else --strict fails on a missing file)."""
-    docs = Path(config["docs_dir"])
-    missing = {page for page in OPTIONAL_PAGES if not (docs / page).is_file()}
-    for page in sorted(missing):
-        log.info("nav: %s does not exist yet; left out of the navigation", page)
-    if missing and config["nav"]:
-        config["nav"] = _without_pages(config["nav"], missing)
-    return config
 
 
 def on_files(files: Any, config: Any) -> Any:
@@ -75,18 +60,6 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
 def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
     """Docstrings are written in reST style (:func:`name`, "Usage::"); show roles as plain code, "::" as ":"."""
     return SPHINX_ROLE.sub("", html).replace("::</p>", ":</p>")
-
-
-def _without_pages(nav: list[Any], pages: set[str]) -> list[Any]:
-    kept: list[Any] = []
-    for entry in nav:
-        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
-        if isinstance(value, list):
-            value = _without_pages(value, pages)
-            kept.append({next(iter(entry)): value} if isinstance(entry, dict) else value)
-        elif value not in pages:
-            kept.append(entry)
-    return kept
 
 
 # ------------------------------------------------------------------------------------------- directives

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import traceback
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -21,9 +22,15 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from vlmfast import OptimizedTrainer
+import vlmfast
+from vlmfast import NonFiniteLossError, OptimizedTrainer
+from vlmfast.attention.dispatch import AttentionBackendError
+from vlmfast.checkpoint import CorruptCheckpointError
+from vlmfast.data.bad_samples import BadSampleError, TooManyBadSamplesError
+from vlmfast.distributed.process_group import RankFailureError
 from vlmfast.models import ShapesCaptionDataset, TinyVLM, TinyVLMConfig, VLMCollator
 from vlmfast.spec import SpecError, TrainSpec, check_environment
+from vlmfast.strategies.oom import OutOfMemoryAtMinimumError
 
 
 def examples(n: int) -> settings:
@@ -156,27 +163,75 @@ def spoil(data: dict, dotted: str, value: Any) -> dict:
     return data
 
 
-def _field_patterns() -> list[re.Pattern]:
-    """Top-level field names, and dotted tails of two or more parts (trace.start_step), also written with a space
-    (attention backend): how a message names a field."""
-    names = set(TrainSpec.model_fields)
-    for path in FIELDS:
-        parts = path.split(".")
-        names.update(".".join(parts[i:]) for i in range(len(parts) - 1))
-    return [re.compile(r"\b" + "[. ]".join(map(re.escape, n.split("."))) + r"\b") for n in names]
+# vlmfast's own exception classes: raised by its checks, with a message written for the user.
+VLMFAST_ERRORS = (
+    SpecError,
+    AttentionBackendError,
+    BadSampleError,
+    CorruptCheckpointError,
+    NonFiniteLossError,
+    OutOfMemoryAtMinimumError,
+    RankFailureError,
+    TooManyBadSamplesError,
+)
+VLMFAST_DIR = Path(vlmfast.__file__).resolve().parent
 
 
-FIELD_PATTERNS = _field_patterns()
+def set_fields(data: dict, prefix: str = "") -> set[str]:
+    """Dotted paths of the spec fields that `data` sets (its leaves: a section given as a dict is recursed into)."""
+    found = set()
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if path in SECTIONS and isinstance(value, dict):
+            found |= set_fields(value, f"{path}.")
+        else:
+            found.add(path)
+    return found
 
 
-def names_a_field(message: str) -> bool:
-    return any(p.search(message) for p in FIELD_PATTERNS)
+def _names(path: str, message: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(path)}(?!\w)", message) is not None
 
 
-def refused_clearly(exc: BaseException) -> bool:
-    """Raised by vlmfast's or pydantic's checks (not from inside torch), naming a spec field."""
-    ours = type(exc).__module__.startswith(("vlmfast", "pydantic")) or type(exc) in (ValueError, KeyError)
-    return ours and names_a_field(str(exc))
+def names_a_set_field(exc: BaseException, data: dict) -> bool:
+    """The error names the full dotted path (optimizer.freeze; not freeze, nor optimizer) of a field set in `data`,
+    or of a nested field it lacks (deepspeed.nvme_path, save.dir): a bare top-level name counts only when set.
+
+    A pydantic error carries its location: one in section profile.trace whose message says warmup_steps (or
+    trace.warmup_steps) names profile.trace.warmup_steps."""
+    fields = set_fields(data)
+    nested = {path for path in FIELDS if "." in path}
+    if any(_names(path, str(exc)) for path in fields | nested):
+        return True
+    if not isinstance(exc, ValidationError):
+        return False
+    for error in exc.errors():
+        section = ".".join(map(str, error["loc"]))
+        for path in fields:
+            if section and path.startswith(section + "."):
+                parts, depth = path.split("."), section.count(".") + 1
+                if any(_names(".".join(parts[i:]), error["msg"]) for i in range(depth + 1)):
+                    return True
+    return False
+
+
+def raised_in_vlmfast(exc: BaseException) -> bool:
+    """The innermost frame of the traceback (where the exception was raised) is vlmfast's code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(VLMFAST_DIR)
+
+
+def refused_clearly(exc: BaseException, data: dict) -> bool:
+    """Refused by vlmfast or pydantic, not from inside torch: one of their error types, or an error raised in
+    vlmfast's code; and the message names the dotted path of a field that this spec sets."""
+    ours = isinstance(exc, (ValidationError, *VLMFAST_ERRORS)) or raised_in_vlmfast(exc)
+    return ours and names_a_set_field(exc, data)
+
+
+def describe(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__module__}.{type(exc).__name__}{where}: {exc}"
 
 
 # ---- properties ----------------------------------------------------------------------------------------------
@@ -187,7 +242,7 @@ def test_every_generated_spec_validates_and_round_trips_or_fails_naming_a_field(
         spec = TrainSpec.model_validate(data)
     except ValidationError as exc:  # a cross-field combination the spec refuses: it must say which fields
         event("refused")
-        assert refused_clearly(exc), str(exc)
+        assert refused_clearly(exc, data), describe(exc)
         return
     event("valid")
     path = tmp_path_factory.mktemp("spec") / "run.yaml"
@@ -294,7 +349,7 @@ def test_a_runnable_spec_trains_or_fails_naming_a_field_never_deep_inside_the_ru
         check_environment(spec)
     except (ValidationError, SpecError) as exc:
         event("refused by validation")
-        assert refused_clearly(exc), str(exc)
+        assert refused_clearly(exc, data), describe(exc)
         return
     dataset = ShapesCaptionDataset(num_samples=16, seed=0, max_image_size=32)
     torch.manual_seed(0)
@@ -303,9 +358,39 @@ def test_a_runnable_spec_trains_or_fails_naming_a_field_never_deep_inside_the_ru
         trainer.fit()
     except Exception as exc:  # refused with a message: it must be vlmfast's, naming the spec field
         event(f"refused by the trainer: {type(exc).__name__}")
-        assert refused_clearly(exc), f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+        assert refused_clearly(exc, data), describe(exc)
         return
     event("trained")
+
+
+@pytest.mark.parametrize("field", ["backend", "vision_backend"])
+def test_flash_attn_on_cpu_is_refused_naming_the_attention_field(field):
+    data = {"max_steps": 1, "batch_size": 2, "device": "cpu", "log": {"progress": "off"}}
+    data["attention"] = {"backend": "sdpa", field: "flash_attn"}
+    dataset = ShapesCaptionDataset(num_samples=4, seed=0, max_image_size=32)
+    with pytest.raises(Exception) as info:
+        collate = VLMCollator(image_size=SMALL.image_size)
+        OptimizedTrainer(TinyVLM(SMALL), dataset, TrainSpec(**data), collate_fn=collate).fit()
+    assert refused_clearly(info.value, data), describe(info.value)
+    assert f"attention.{field}" in str(info.value)
+
+
+def test_the_check_refuses_torch_errors_and_bare_section_names():
+    """The check itself: torch's own error (it says 'optimizer') and a vlmfast error that names only a section do not
+    count as naming a field; a vlmfast error naming a set field's dotted path, or pydantic's located error, do."""
+    data = {"optimizer": {"lr": 0.1, "freeze": []}, "batch_size": 4}
+    with pytest.raises(ValueError, match="optimizer got an empty parameter list") as info:
+        torch.optim.SGD([], lr=0.1)
+    assert not refused_clearly(info.value, data)
+    assert not refused_clearly(SpecError("the optimizer cannot run"), data)
+    assert not refused_clearly(SpecError("lr is too high"), data)  # a tail, not the dotted path
+    assert not refused_clearly(SpecError("device 'cuda' is not available"), data)  # a bare name the spec does not set
+    assert refused_clearly(SpecError("optimizer.lr is too high"), data)
+    assert refused_clearly(SpecError("batch_size 4 is too small"), data)
+    assert refused_clearly(SpecError("deepspeed.nvme_path is needed"), data)  # a nested field to add
+    with pytest.raises(ValidationError) as info:
+        TrainSpec(optimizer={"lr": -1.0})
+    assert refused_clearly(info.value, {"optimizer": {"lr": -1.0}})
 
 
 # ---- examples (moved from tests/test_spec.py) ---------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A run killed or interrupted at any moment loses at most the steps since its last checkpoint, and resumes exactly.
 
 - SIGKILL while a checkpoint is being written: the previous checkpoint stays complete, resume continues from it.
-- SIGTERM / Ctrl-C: the current step finishes, a final checkpoint is written, resume continues exactly.
+- SIGTERM / Ctrl-C inside a step: that step finishes, a final checkpoint is written, resume continues exactly.
 - A checkpoint that is corrupt or missing is named in the error, never loaded half-way.
 """
 
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _faults import losses, make_spec, train
+from _faults import losses, make_spec, params_of, train
+from conftest import TinyCausalLM
 
-from vlmfast import Callback, SpecError
+from vlmfast import SpecError
 from vlmfast.checkpoint import (
     CorruptCheckpointError,
     latest_checkpoint,
@@ -83,25 +84,45 @@ def test_sigkill_while_a_training_run_saves_then_resume_continues_from_the_previ
     assert not list(tmp_path.glob(".tmp-*"))  # the leftover of the killed writer is gone
 
 
-class SendSignalAt(Callback):
-    def __init__(self, step: int, signum: int) -> None:
-        self.step, self.signum = step, signum
+class SignalInsideAStep(TinyCausalLM):
+    """TinyCausalLM (dropout 0.1, as _faults.train builds it) that sends itself `signum` from inside its forward
+    on micro-batch `micro` of step `step`: mid-step, with micro-batches of that step still to run."""
 
-    def on_step_end(self, trainer, metrics) -> None:
-        if metrics["step"] == self.step:
-            os.kill(os.getpid(), self.signum)
+    def __init__(self, step: int, micro: int, micro_per_step: int, signum: int) -> None:
+        super().__init__(dropout=0.1)
+        self.at, self.signum, self.calls = (step - 1) * micro_per_step + micro, signum, 0
+        self.sent_at_call: int | None = None
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), self.signum)  # the handler runs here, before this forward goes on
+            self.sent_at_call = self.calls
+        return super().forward(input_ids, labels, attention_mask)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_writes_a_final_checkpoint_and_resume_continues_exactly(tmp_path, signum):
-    _, full = train(make_spec())
+    """The signal arrives inside step 5 (in the forward of its 2nd micro-batch of 4): step 5 finishes, with all its
+    micro-batches, is checkpointed, and nothing after it runs; resume reproduces the uninterrupted run exactly."""
+    full_trainer, full = train(make_spec())
     spec = make_spec(save={"dir": str(tmp_path)})
-    _, stopped = train(spec, callbacks=[SendSignalAt(5, signum)])
+    micro_per_step = spec.batch_size // spec.micro_batch_size
+    torch.manual_seed(1234)  # the init _faults.train gives its own model
+    model = SignalInsideAStep(step=5, micro=2, micro_per_step=micro_per_step, signum=signum)
+    trainer, stopped = train(spec, model)
+    assert model.sent_at_call == 4 * micro_per_step + 2  # inside step 5, not between steps
+    assert model.calls == 5 * micro_per_step  # step 5's other micro-batches ran, no step 6
     assert stopped.interrupted == signal.Signals(signum).name
+    assert trainer.state.step == 5 and [m["step"] for m in stopped.history] == [1, 2, 3, 4, 5]
     assert stopped.checkpoint.name == "step_00000005"
-    assert losses(stopped) == losses(full)[:5]
-    _, resumed = train(spec)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000005"]
+    assert losses(stopped) == losses(full)[:5]  # step 5 is the full step, not a cut-short one
+    resumed_trainer, resumed = train(spec)
+    assert resumed.resumed_from.name == "step_00000005"
     assert losses(resumed) == losses(full)[5:]
+    for name, value in params_of(resumed_trainer.model).items():
+        assert torch.equal(value, params_of(full_trainer.model)[name]), name
 
 
 def test_missing_checkpoint_is_named(tmp_path):

@@ -1,19 +1,21 @@
 """NaN / Inf in the loss or the gradients at step k: the configured policy, never a silently corrupted model.
 
 `loss.on_nonfinite: stop` raises NonFiniteLossError naming the step and the offending parameter group, before any
-update; `skip` drops the step (parameters untouched) and stops after `loss.max_consecutive_skips` in a row. Under
-fp16 the GradScaler owns overflowing gradients: it skips the step and lowers its scale, and the run goes on.
+update, leaving the last checkpoint intact; `skip` drops the step (parameters untouched) and stops after
+`loss.max_consecutive_skips` in a row. Under fp16 the GradScaler owns overflowing gradients: it skips the step and
+lowers its scale, and the run goes on.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _faults import make_spec, params_of, train
+from _faults import losses, make_spec, params_of, train
 from conftest import TinyCausalLM, TokenDataset
 from torch.nn import functional as F
 
 from vlmfast import Callback, NonFiniteLossError, OptimizedTrainer
+from vlmfast.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 
 
 class NonFiniteAt(TinyCausalLM):
@@ -61,14 +63,36 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 ONE_PASS = {"micro_batch_size": 8}  # one forward per step: forward call k is step k
 
 
+def seeded(k: int, kind: str) -> NonFiniteAt:
+    """NonFiniteAt(k, kind) with the same initial parameters every time (k=0: never non-finite)."""
+    torch.manual_seed(1234)
+    return NonFiniteAt(k, kind)
+
+
 @pytest.mark.parametrize("kind", ["nan", "inf"])
-def test_nonfinite_loss_stops_naming_the_step_before_any_update(kind):
+def test_nonfinite_loss_stops_naming_the_step_before_any_update_and_the_last_checkpoint_is_intact(kind, tmp_path):
+    """A run saving every 2 steps meets a NaN/Inf loss at step 6: it stops naming step 6 before updating anything;
+    no checkpoint is written on the way out (neither a final one of step 5 nor one of step 6), so the newest is
+    step 4's, complete, holding step 4's parameters, and a run resumed from it matches an unbroken run."""
     snapshots = Snapshots()
-    trainer = OptimizedTrainer(NonFiniteAt(3, kind), TokenDataset(64), make_spec(**ONE_PASS), callbacks=[snapshots])
-    with pytest.raises(NonFiniteLossError, match=rf"step 3: loss is {kind}.*loss.on_nonfinite=stop"):
+    spec = make_spec(**ONE_PASS, save={"dir": str(tmp_path), "every_steps": 2})
+    trainer = OptimizedTrainer(seeded(6, kind), TokenDataset(64), spec, callbacks=[snapshots])
+    with pytest.raises(NonFiniteLossError, match=rf"step 6: loss is {kind}.*loss.on_nonfinite=stop"):
         trainer.fit()
-    assert trainer.state.step == 2
-    assert_same(params_of(trainer.model), snapshots.params[2])  # step 3 changed nothing
+    assert trainer.state.step == 5
+    assert_same(params_of(trainer.model), snapshots.params[5])  # step 6 changed nothing
+
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
+    assert not list(tmp_path.glob(".tmp-*"))  # no half-written checkpoint either
+    newest = latest_checkpoint(tmp_path)
+    saved = load_checkpoint(newest)
+    assert saved["trainer"]["step"] == 4
+    assert_same(snapshots.params[4], saved["model"])
+    _, unbroken = train(make_spec(**ONE_PASS), seeded(0, kind))
+    _, resumed = train(spec, seeded(0, kind))  # same save.dir: resumes from the newest checkpoint
+    assert resumed.resumed_from == newest
+    assert [m["step"] for m in resumed.history] == list(range(5, 13))
+    assert losses(resumed) == losses(unbroken)[4:]
 
 
 @pytest.mark.parametrize("kind", ["nan", "inf", "grad"])

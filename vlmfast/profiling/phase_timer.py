@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,7 +88,7 @@ class PhaseTimer:
     """Per-phase step times, sampled every `every_steps` steps; see the module docstring."""
 
     def __init__(self, device: torch.device, every_steps: int = 10, warmup_steps: int = 1,
-                 peak_tflops: float | None = None, nvtx: bool = False) -> None:
+                 peak_tflops: float | None = None, nvtx: bool = False, keep_steps: int = 10_000) -> None:
         if every_steps < 1:
             raise ValueError(f"PhaseTimer every_steps must be >= 1, got {every_steps}")
         self.device = torch.device(device)
@@ -108,8 +108,9 @@ class PhaseTimer:
         self._open: list[int] = []  # indices of the phases entered and not yet left
         self._host_syncs = 0
         self._last_recorded = (False, False)  # did the last end_step add a step time / a sample
-        self.step_times: list[float] = []  # wall-clock time of every non-warm-up step (for percentiles)
-        self.samples: list[dict[str, float]] = []  # end_step() of every sampled step
+        # Bounded, so a million-step run does not grow: percentiles and shares are over the latest `keep_steps`.
+        self.step_times: deque[float] = deque(maxlen=keep_steps)  # wall-clock time of non-warm-up steps
+        self.samples: deque[dict[str, float]] = deque(maxlen=max(1, keep_steps // every_steps))  # sampled steps
         self._hooks: list[Any] = []
 
     # ---- the loop's calls -----------------------------------------------------------------------------------

@@ -47,13 +47,15 @@ class RunProfiler:
     """Everything `spec.profile` turns on, behind the trainer's few calls (see the module docstring)."""
 
     def __init__(self, spec: ProfileSpec, model: nn.Module, device: torch.device | str, precision: str = "fp32",
-                 tf32: bool = False, log_dir: str | Path | None = None, is_main_process: bool = True) -> None:
+                 tf32: bool = False, log_dir: str | Path | None = None, is_main_process: bool = True,
+                 keep_steps: int = 10_000) -> None:
         self.spec = spec
         self.device = torch.device(device)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.is_main_process = is_main_process
         self.peak_tflops = peak_tflops(self.device, precision, tf32, override=spec.peak_tflops) if spec.mfu else None
-        self.timer = PhaseTimer(self.device, spec.every_steps, spec.warmup_steps, self.peak_tflops, nvtx=spec.nvtx)
+        self.timer = PhaseTimer(self.device, spec.every_steps, spec.warmup_steps, self.peak_tflops, nvtx=spec.nvtx,
+                                keep_steps=keep_steps)
         self.timer.attach(model)
         self.flops = FlopsMeter(model, spec.flops) if spec.mfu else None
         self.trace = StepProfiler(spec.trace, self.device, log_dir)

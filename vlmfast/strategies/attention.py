@@ -42,8 +42,13 @@ class AttentionBackend(Strategy):
         if self.spec.backend is None:
             return model
         self._refuse_cpu_flex(model)
-        self.setting = set_attention_backend(model, self.spec.backend, self.spec.vision_backend,
-                                             self.spec.sdpa_kernels, dtype=self.dtype)
+        try:
+            self.setting = set_attention_backend(model, self.spec.backend, self.spec.vision_backend,
+                                                 self.spec.sdpa_kernels, dtype=self.dtype)
+        except AttentionBackendError as exc:  # name the spec field the user set, not only the backend
+            named = [f"attention.{field} '{value}'" for field in ("backend", "vision_backend")
+                     if (value := getattr(self.spec, field)) and f"'{value}'" in str(exc)]
+            raise AttentionBackendError(f"{' and '.join(named) or 'attention.backend'}: {exc}") from exc
         return model
 
     def _refuse_cpu_flex(self, model: nn.Module) -> None:
