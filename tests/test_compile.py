@@ -310,3 +310,25 @@ def test_the_tiny_vlm_compiles_into_one_graph_without_breaks():
     counter = CompileCounter()
     torch.compile(model, backend=counter)(**collate([dataset[i] for i in range(4)]))
     assert counter.frame_count == 1 and not sum(counters["graph_break"].values())
+
+
+def test_profiling_and_auto_attention_add_no_graphs_to_a_compiled_model():
+    # The phase timer's forward hooks and attention auto's one-time log are traced into the compiled model; each
+    # used to guard on Python state (`sampling`, a logged set), so timed steps recompiled (14 graphs in 25 steps).
+    from torch._dynamo.utils import counters
+
+    from vlmfast import OptimizedTrainer
+    from vlmfast.models import build_tiny_vlm_task
+
+    def graphs(profile: dict, attention: dict) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        model, dataset, collate = build_tiny_vlm_task(num_samples=64)
+        spec = TrainSpec(max_steps=6, batch_size=8, data={"shuffle": False}, attention=attention, profile=profile,
+                         compile={"enabled": True, "backend": "eager"}, log={"progress": "off"})
+        OptimizedTrainer(model, dataset, spec, collate_fn=collate).fit()
+        return counters["stats"]["unique_graphs"]
+
+    plain = graphs({"timing": False, "mfu": False}, {"backend": "sdpa"})
+    assert plain >= 1
+    assert graphs({"every_steps": 2, "warmup_steps": 0}, {"backend": "auto"}) <= plain

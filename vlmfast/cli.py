@@ -11,6 +11,7 @@ Usage::
     vlmfast spec --check run.yaml          # validate a spec without running anything
     vlmfast doctor run.yaml                # profile a few steps: what is slow and which flag to turn on next
     vlmfast shards write images/ shards/ --max-count 1000   # a folder or JSONL -> WebDataset tar shards
+    vlmfast bench --quick                  # vlmfast vs a hand-written loop, Accelerate, the HF Trainer, Fabric
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     finder.add_argument("--margin", type=float, default=0.9, help="safety margin (fraction of device memory)")
     finder.set_defaults(run=_cmd_find_batch_size)
 
+    from vlmfast.bench.cli import add_bench_command
     from vlmfast.data.shards_cli import add_shards_command
     from vlmfast.memory.estimate_cli import add_estimate_memory_parser
     from vlmfast.profiling.doctor_cli import add_doctor_command
@@ -73,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     add_estimate_memory_parser(sub)
     add_doctor_command(sub)
     add_shards_command(sub)
+    add_bench_command(sub)
 
     spec = sub.add_parser("spec", help="print the spec schema or a commented defaults template, or check a file")
     group = spec.add_mutually_exclusive_group(required=True)

@@ -157,6 +157,8 @@ def _prefer_flex(q: Tensor, inputs: AttentionInputs) -> bool:
 
 
 def _log_once(name: str, reason: str) -> None:
+    if torch.compiler.is_compiling():  # a traced log call would break the graph; the eager call logs it
+        return
     if (name, reason) not in _logged_choices:
         _logged_choices.add((name, reason))
         log.info("attention auto: %s (%s)", name, reason)

@@ -283,6 +283,8 @@ class PhaseTimer:
     # ---- sub-model hooks ------------------------------------------------------------------------------------
     def _submodule_start(self, role: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():  # traced into a compiled block, `sampling` would guard a recompile
+                return
             # Forward phase only: activation-checkpoint recomputation in backward re-enters modules.
             if self.sampling and self._phase_name == "forward":
                 module._vlmfast_phase_start = self._mark()  # type: ignore[attr-defined]
@@ -291,6 +293,8 @@ class PhaseTimer:
 
     def _submodule_end(self, role: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             start = module.__dict__.pop("_vlmfast_phase_start", None)
             if start is not None and self.sampling:
                 self._intervals.append((f"{role}_forward", start, self._mark(), -1))

@@ -1,0 +1,163 @@
+"""`vlmfast bench`: the comparison against the alternatives and the memory-headroom benchmark, in one command.
+
+Usage::
+
+    vlmfast bench                              # CPU: size cpu, 40 steps x 5 rounds, all configurations + headroom
+    vlmfast bench --quick                      # every configuration for 2 steps, once (a smoke test, < 1 min)
+    vlmfast bench --size gpu --repeats 3       # on a GPU: the ~150M-parameter model
+    vlmfast bench --configs start,vlmfast,accelerate --repeats 9 --no-headroom
+    vlmfast bench --render benchmarks/results/cpu/compare.json      # Markdown + charts again from the JSON
+
+Files (in --out, default benchmarks/results/<device>/): compare.json / .md, compare_throughput.png,
+compare_memory.png, headroom.json / .md / .png; a size other than the device's own adds _<size>, --quick adds _quick.
+
+    add_bench_command(subparsers)              # how vlmfast.cli registers it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_bench_command", "build_parser", "main", "run_bench"]
+
+QUICK = {"steps": 2, "warmup": 1, "repeats": 1}
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", choices=["cpu", "gpu"], default=None,
+                        help="model and batch size (default: gpu on CUDA, else cpu)")
+    parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps per run (default 40)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps per run before timing starts (default 5)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all configurations (default 5)")
+    parser.add_argument("--configs", default=None, help="comma-separated configuration names (default: all; "
+                        "'start' is always added, every ratio is against it)")
+    parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the size's)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device>)")
+    parser.add_argument("--quick", action="store_true", help="every configuration for 2 steps, once; results are "
+                        "named *_quick and prove only that everything runs")
+    parser.add_argument("--no-headroom", action="store_true", help="skip the memory-headroom benchmark")
+    parser.add_argument("--headroom-only", action="store_true", help="run only the memory-headroom benchmark")
+    parser.add_argument("--docs", default=None, help="also write the tables into this Markdown file, between "
+                        "<!-- vlmfast-bench:NAME --> and <!-- /vlmfast-bench:NAME --> (NAME: compare, headroom, ...)")
+    parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                        help="re-write the Markdown, charts and --docs sections from result JSONs, without running")
+
+
+def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `bench` on the `vlmfast` sub-parsers."""
+    bench = subparsers.add_parser("bench", help="train the same VLM with a hand-written loop, vlmfast (each strategy, "
+                                  "best), Accelerate, the HF Trainer and Fabric; tables, charts, memory headroom")
+    _add_arguments(bench)
+    bench.set_defaults(run=run_bench)
+    return bench
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A standalone parser with the same options (benchmarks/compare.py uses it)."""
+    parser = argparse.ArgumentParser(prog="vlmfast bench", description=__doc__.splitlines()[0])
+    _add_arguments(parser)
+    parser.set_defaults(run=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `vlmfast bench` with `argv` (default: sys.argv[1:])."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The command: run (or re-render) and write JSON, Markdown and PNGs; print the tables."""
+    if args.render:
+        return _render(args.render, args.docs)
+    import torch
+
+    from vlmfast.bench.report import device_dir
+    from vlmfast.utils import resolve_device
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    size = args.size or ("gpu" if device.type == "cuda" else "cpu")
+    if args.quick:
+        args.steps, args.warmup, args.repeats = QUICK["steps"], QUICK["warmup"], QUICK["repeats"]
+    out = Path(args.out) if args.out else Path("benchmarks") / "results" / device_dir(device)
+    # compare.md / headroom.md for the device's own size: the names docs/benchmarks.md includes for every device.
+    suffix = ("" if size == ("gpu" if device.type == "cuda" else "cpu") else f"_{size}") + ("_quick" * args.quick)
+    written = []
+    if not args.headroom_only:
+        written.append(_compare(args, device, size, out / f"compare{suffix}"))
+    if not args.no_headroom:
+        written.append(_headroom(args, device, size, out / f"headroom{suffix}"))
+    if args.docs:
+        _render([str(path) for path in written], args.docs, rewrite=False)
+    return 0
+
+
+def _compare(args: argparse.Namespace, device: Any, size: str, path: Path) -> Path:
+    from vlmfast.bench.configs import BEST_REASONS, START, build_configs
+    from vlmfast.bench.harness import run_comparison
+    from vlmfast.bench.report import comparison_markdown, environment, write_results
+    from vlmfast.bench.workload import build_workload
+
+    workload = build_workload(size, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size)
+    configs = build_configs(device.type)
+    if args.configs:
+        wanted = {START, *args.configs.split(",")}
+        unknown = wanted - {c.name for c in configs}
+        if unknown:
+            raise ValueError(f"unknown configuration(s) {sorted(unknown)}; choose from {[c.name for c in configs]}")
+        configs = [c for c in configs if c.name in wanted]
+    print(f"vlmfast bench: {len(configs)} configurations x {args.repeats} round(s), {args.warmup}+{args.steps} steps, "
+          f"size {size} on {device}", flush=True)
+    result = {"benchmark": "compare", "environment": environment(device), "workload": workload.describe(),
+              "repeats": args.repeats, "quick": args.quick, "best_reason": BEST_REASONS[device.type],
+              **run_comparison(workload, configs, args.repeats, device, progress=_progress)}
+    paths = write_results(result, path.parent, path.name)
+    print(comparison_markdown(result), f"\nwritten: {', '.join(str(p) for p in paths.values())}", sep="\n")
+    return paths["json"]
+
+
+def _headroom(args: argparse.Namespace, device: Any, size: str, path: Path) -> Path:
+    from vlmfast.bench.headroom import run_headroom
+    from vlmfast.bench.report import environment, headroom_markdown, write_results
+    from vlmfast.bench.workload import build_workload
+
+    workload = build_workload(size, steps=1, warmup=0, batch_size=args.batch_size)
+    max_size = 4 * workload.batch_size if args.quick else 16 * workload.batch_size
+    print(f"vlmfast bench: memory headroom (micro-batches up to {max_size})", flush=True)
+    result = {"benchmark": "headroom", "environment": environment(device), "size": size,
+              **run_headroom(workload, device, max_size=max_size, steps=2 if args.quick else 3)}
+    paths = write_results(result, path.parent, path.name)
+    print(headroom_markdown(result), f"\nwritten: {', '.join(str(p) for p in paths.values())}", sep="\n")
+    return paths["json"]
+
+
+def _render(results: list[str], docs: str | None, rewrite: bool = True) -> int:
+    """Markdown/PNGs (and doc sections) from result JSONs; doc keys are the files' names (compare, headroom ...)."""
+    from vlmfast.bench.report import comparison_markdown, headroom_markdown, update_doc, write_results
+
+    for name in results:
+        path = Path(name)
+        result = json.loads(path.read_text())
+        if rewrite:
+            write_results(result, path.parent, path.stem)
+        markdown = headroom_markdown(result) if result.get("benchmark") == "headroom" else comparison_markdown(result)
+        if docs and not update_doc(docs, path.stem, markdown):
+            print(f"vlmfast bench: {docs} has no <!-- vlmfast-bench:{path.stem} --> section; add the marker pair "
+                  f"where the table should go", file=sys.stderr)
+    return 0
+
+
+def _progress(line: str) -> None:
+    print(line, flush=True)
+
+
+if __name__ == "__main__":  # python -m vlmfast.bench.cli ... (before `vlmfast bench` is wired into vlmfast.cli)
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Results of ``vlmfast bench`` as files: JSON (with the machine, versions and command), a Markdown table, PNG charts,
+and the table written into a Markdown document between markers (so docs show generated numbers, never copied ones).
+
+Usage::
+
+    paths = write_results(result, out_dir="benchmarks/results/cpu", name="compare_cpu")
+    print(comparison_markdown(json.loads(paths["json"].read_text())))
+    update_doc("docs/benchmarks.md", "compare-cpu", comparison_markdown(result))
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["comparison_markdown", "device_dir", "environment", "headroom_markdown", "plot_comparison",
+           "plot_headroom", "update_doc", "write_results"]
+
+_PACKAGES = ("torch", "transformers", "accelerate", "lightning-fabric", "vlmfast")
+
+
+def device_dir(device: torch.device) -> str:
+    """The results sub-folder for a device: ``cpu`` or the GPU's name, e.g. ``nvidia-h100-80gb-hbm3``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "-").lower()
+    return device.type
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What a reader needs to reproduce a number: machine, versions, threads, command, date."""
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "device": device_dir(device), "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "versions": versions,
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def write_results(result: dict[str, Any], out_dir: str | Path, name: str) -> dict[str, Path]:
+    """Write ``<name>.json``, ``<name>.md`` and the PNG charts into `out_dir`; returns their paths by kind."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    is_headroom = result.get("benchmark") == "headroom"
+    paths["md"].write_text((headroom_markdown(result) if is_headroom else comparison_markdown(result)) + "\n")
+    if is_headroom:
+        paths["png"] = plot_headroom(result, out / f"{name}.png")
+    else:
+        paths["throughput_png"], paths["memory_png"] = plot_comparison(result, out, name)
+    return paths
+
+
+# ---- Markdown --------------------------------------------------------------------------------------------------
+def _header(result: dict[str, Any]) -> str:
+    env, work = result["environment"], result["workload"]
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+    return (f"Machine: {env['device']} ({env['cpu']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch "
+            f"thread(s)); {versions}; {env['date']}.  \n"
+            f"Command: `{env['command']}`.  \n"
+            f"Model: built-in tiny VLM, size `{work['size']}` ({work['parameters'] / 1e6:.2f}M parameters); "
+            f"batch {work['batch_size']}, {work['steps']} timed steps after {work['warmup_steps']} warm-up, "
+            f"{result.get('repeats', 1)} interleaved round(s), medians; samples of {work['sample_tokens']['min']}-"
+            f"{work['sample_tokens']['max']} tokens (mean {work['sample_tokens']['mean']:.1f}, image tokens "
+            "included).")
+
+
+def _memory(gb: float | None, kind: str) -> str:
+    if gb is None:
+        return "-"
+    text = f"{gb:.2f} GiB" if gb >= 1 else f"{gb * 1024:.0f} MiB"
+    return text + (" (RSS)" if "RSS" in kind else "")
+
+
+def comparison_markdown(result: dict[str, Any]) -> str:
+    """The comparison as Markdown: header (machine, versions, command), one row per configuration, must-shows."""
+    rows = ["| configuration | what it switches on | samples/s | x start | real tokens/s | step p50 / p90 (ms) | "
+            "peak memory | TFLOP/s | MFU | padding | train loss | eval loss |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary, ratios = result["summary"], result["ratios"]
+    for config in result["configs"]:
+        name = config["name"]
+        if name not in summary:
+            rows.append(f"| {name} | {config['description']} | skipped: {config['skipped'] or 'no run'} "
+                        "| | | | | | | | | |")
+            continue
+        s = summary[name]
+        mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else "n/a"
+        rows.append(
+            f"| {name} | {config['description']} | {s['samples_per_s']:.1f} | "
+            f"{ratios[name].get('vs_start', float('nan')):.2f} | {s['tokens_per_s']:.0f} | "
+            f"{s['step_time_p50_s'] * 1e3:.1f} / {s['step_time_p90_s'] * 1e3:.1f} | "
+            f"{_memory(s.get('peak_memory_gb'), s['memory_kind'])} | {s['tflops']:.3f} | {mfu} | "
+            f"{s['padding_fraction']:.0%} | {s['final_train_loss']:.4f} | {s['eval_loss']:.4f} |")
+    lines = [_header(result), "", *rows, "", _notes(result), "", "Targets:", ""]
+    for check in result["must_show"]:
+        mark = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
+        value = "n/a" if check["value"] is None else f"{check['value']:.3f}"
+        lines.append(f"- {check['what']}: `{check['rule']}` -> {value} (**{mark}**)")
+    return "\n".join(lines)
+
+
+def _notes(result: dict[str, Any]) -> str:
+    device = result["environment"]["device"]
+    mfu = "MFU: against the GPU's bf16 dense peak for every row." if device != "cpu" else \
+        "MFU: n/a on CPU (no peak table for CPUs; TFLOP/s is the achieved rate)."
+    return (f"x start: median over rounds of the paired samples/s ratio against that round's starting point. "
+            f"Real tokens exclude padding; TFLOP/s counts model FLOPs of the real tokens only (6N per token + "
+            f"attention over each sample's own length, vision tower included), the same for every row. {mfu} "
+            f"Padding: share of token positions the model computed on that were padding. Train loss: mean of the "
+            f"last 20% of steps (batches differ when a row reorders or packs); eval loss: the same held-out "
+            f"samples for every row, fp32. Best-set reason: {result.get('best_reason', '')}")
+
+
+def headroom_markdown(result: dict[str, Any]) -> str:
+    """The headroom benchmark as Markdown: largest micro-batch per strategy, then the OOM-fallback runs."""
+    env = result["environment"]
+    rows = ["| strategy | largest micro-batch | vs plain |", "|---|---|---|"]
+    found = result["strategies"]
+    plain = next(iter(found.values()))["largest"]
+    for name, entry in found.items():
+        capped = " (the largest size tried)" if entry["largest"] >= result["max_size_tried"] else ""
+        rows.append(f"| {name} | {entry['largest']}{capped} | {entry['largest'] / plain:.1f}x |")
+    demo = result["oom_fallback"]
+    runs = ["| run | completed | what happened |", "|---|---|---|"]
+    for name, run in demo.items():
+        if isinstance(run, dict):
+            runs.append(f"| {name} | {'yes' if run.get('completed') else 'no'} | {_what_happened(run)} |")
+    budget = result["budget_bytes"] / 2**20
+    return "\n".join([
+        f"Machine: {env['device']}; torch {env['versions']['torch']}; {env['date']}. Command: `{env['command']}`.",
+        f"Budget: {budget:.1f} MiB ({result['budget_kind']}); the longest samples of the data set, one step each.",
+        "", *rows, "",
+        f"OOM fallback at batch {demo['batch_size']} ({demo['limit']}), {demo['steps']} steps:", "", *runs])
+
+
+def _what_happened(run: dict[str, Any]) -> str:
+    if "error" in run:
+        return run["error"]
+    if "micro_batch_size" in run:
+        return (f"{run['steps']} steps at batch {run['batch_size']} as {run['accumulation_steps']} micro-batches of "
+                f"{run['micro_batch_size']} ({run['report']})")
+    if "batch_size_used" in run:
+        return f"{run['steps']} steps at batch {run['batch_size_used']} instead of {run['batch_size_requested']}"
+    return f"{run.get('steps')} steps"
+
+
+_MARKER = "<!-- vlmfast-bench:{key} -->"
+_END = "<!-- /vlmfast-bench:{key} -->"
+
+
+def update_doc(doc: str | Path, key: str, markdown: str) -> bool:
+    """Replace the text between ``<!-- vlmfast-bench:KEY -->`` and ``<!-- /vlmfast-bench:KEY -->`` in `doc`.
+
+    Returns False (and changes nothing) when the markers are missing. Usage: see the module docstring.
+    """
+    path = Path(doc)
+    text = path.read_text()
+    start, end = _MARKER.format(key=key), _END.format(key=key)
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if not pattern.search(text):
+        return False
+    path.write_text(pattern.sub(lambda _: f"{start}\n{markdown}\n{end}", text))
+    return True
+
+
+# ---- charts ----------------------------------------------------------------------------------------------------
+_COLORS = {"hand-written": "#7f7f7f", "vlmfast": "#1f77b4", "accelerate": "#ff7f0e", "hf-trainer": "#2ca02c",
+           "fabric": "#9467bd"}
+
+
+def _bar_chart(labels: list[str], values: list[float], colors: list[str], xlabel: str, title: str,
+               path: Path, reference: float | None = None, notes: list[str] | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed (CI, servers)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(labels) + 1.2))
+    ax.barh(labels[::-1], values[::-1], color=colors[::-1])
+    if reference is not None:  # the starting point, so every bar reads against it
+        ax.axvline(reference, color="#444444", linestyle="--", linewidth=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    notes = notes or [""] * len(values)
+    for y, (value, note) in enumerate(zip(values[::-1], notes[::-1], strict=True)):
+        ax.text(value, y, f" {value:.3g}{note}", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_comparison(result: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
+    """Two horizontal bar charts: samples/s and peak memory per configuration (skipped ones left out)."""
+    rows = [c for c in result["configs"] if c["name"] in result["summary"]]
+    labels = [c["name"] for c in rows]
+    colors = [_COLORS.get(c["contender"], "#333333") for c in rows]
+    summary = result["summary"]
+    device = result["environment"]["device"]
+    start = summary.get("start", {})
+    # A faster row that trains worse says so on its bar: speed alone would flatter it.
+    notes = [f"  (eval loss {summary[n]['eval_loss'] / start['eval_loss'] - 1:+.0%})"
+             if start and summary[n]["eval_loss"] > 1.01 * start["eval_loss"] else "" for n in labels]
+    throughput = _bar_chart(labels, [summary[n]["samples_per_s"] for n in labels], colors, "samples/s (median)",
+                            f"Training throughput, {device} (dashed: starting point)",
+                            out_dir / f"{name}_throughput.png", reference=start.get("samples_per_s"), notes=notes)
+    kind = next(iter(summary.values()))["memory_kind"] if summary else ""
+    memory = _bar_chart(labels, [(summary[n].get("peak_memory_gb") or 0) * 1024 for n in labels], colors,
+                        f"peak memory, MiB ({kind})", f"Peak memory, {device}", out_dir / f"{name}_memory.png")
+    return throughput, memory
+
+
+def plot_headroom(result: dict[str, Any], path: Path) -> Path:
+    """Largest micro-batch per strategy under the same budget."""
+    found = result["strategies"]
+    return _bar_chart(list(found), [v["largest"] for v in found.values()], ["#1f77b4"] * len(found),
+                      "largest micro-batch (samples)", f"Memory headroom, {result['environment']['device']}", path)

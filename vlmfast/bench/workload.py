@@ -1,0 +1,216 @@
+"""What every contender trains: one model init, one generated data set in one order, one way to count work.
+
+A :class:`Workload` holds the built-in tiny VLM at a named size (``cpu``: the default config, a step of tens of
+ms on a laptop core; ``gpu``: a ViT-B/16 tower + a 12-layer 768-d decoder, ~150M parameters), the initial weights
+(every run starts from the same ones), a data set of exactly ``(warmup + steps) x batch_size`` samples in a fixed
+shuffled order (every contender sees every sample once), and held-out batches for an evaluation loss that is
+computed the same way for everyone after training.
+
+Work is counted from the batch each contender actually feeds its model, so padding and packing cannot inflate it:
+real tokens (caption + image tokens, never pads), token slots (what the model computed on, pads included) and model
+FLOPs of the real tokens (vlmfast.profiling's analytic formula: 6N per token + attention over each sample's own
+length, vision tower included).
+
+Usage::
+
+    workload = build_workload("cpu", steps=40, warmup=5)
+    model = workload.build_model(attention="eager")     # same init every call
+    stats = workload.batch_stats(batch)                 # lazy tensors: no device sync
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from vlmfast.attention import set_attention_backend
+from vlmfast.attention.documents import PackedDocuments
+from vlmfast.models import ShapesCaptionDataset, TinyVLM, TinyVLMConfig, VLMCollator
+from vlmfast.profiling import analytic_flops
+
+__all__ = ["MODEL_SIZES", "SIZES", "BenchDataset", "BenchSize", "Workload", "build_workload", "evaluate_loss"]
+
+# Model configurations (TinyVLMConfig fields); "base" is benchmarks/mfu.py's ~150M-parameter VLM-like model.
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "base": {"image_size": 224, "patch_size": 16, "vision_dim": 768, "vision_layers": 12, "vision_heads": 12,
+             "text_dim": 768, "text_layers": 12, "text_heads": 12, "max_text_len": 64},
+}
+
+
+@dataclass(frozen=True)
+class BenchSize:
+    """A benchmark size: model config, samples per optimizer step, learning rate, and the data's caption spread."""
+
+    model: str
+    batch_size: int
+    lr: float
+    # Up to 8 objects per scene: captions of 7-57 tokens, so a random batch of 16 is ~40% padding (image tokens
+    # included) and padding, grouping and packing strategies have real waste to remove.
+    max_objects: int = 8
+    eval_samples: int = 64
+
+
+SIZES: dict[str, BenchSize] = {
+    "cpu": BenchSize(model="tiny", batch_size=16, lr=1e-3),
+    "gpu": BenchSize(model="base", batch_size=32, lr=3e-4),
+}
+
+
+class BenchDataset(Dataset):
+    """Generated shapes samples in a fixed order, with ``lengths`` (caption tokens) for length grouping.
+
+    Usage: ``BenchDataset(ShapesCaptionDataset(...), order=[5, 2, ...])[0]`` is the base data set's sample 5.
+    """
+
+    def __init__(self, base: ShapesCaptionDataset, order: Sequence[int]) -> None:
+        self.base = base
+        self.order = list(order)
+        # Cheap: caption ids come from the scene's random decisions, nothing is rendered.
+        self.lengths = [len(base.caption_ids(i)) for i in self.order]
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = self.base[self.order[index]]
+        # Only what the collator reads: the HF Trainer's default collation path never sees unknown keys.
+        return {"image": sample["image"], "input_ids": sample["input_ids"]}
+
+
+@dataclass
+class Workload:
+    """Model init + data + counting rules shared by every contender (see the module docstring)."""
+
+    size: str
+    config: TinyVLMConfig
+    batch_size: int
+    steps: int
+    warmup: int
+    lr: float
+    dataset: BenchDataset
+    collate: VLMCollator
+    eval_batches: list[dict[str, Tensor]]
+    init_state: dict[str, Tensor]
+    flops_coefficients: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0))
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    @property
+    def image_tokens(self) -> int:
+        return self.config.num_image_tokens
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in self.init_state.values())
+
+    def build_model(self, attention: str = "eager") -> TinyVLM:
+        """A fresh model with the shared initial weights and the given attention backend (eager, sdpa, ...)."""
+        with torch.device("meta"):
+            model = TinyVLM(self.config)
+        model = model.to_empty(device="cpu")
+        model.load_state_dict(self.init_state)
+        set_attention_backend(model, attention)
+        return model
+
+    def batch_stats(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
+        """Samples, real tokens, token slots and model FLOPs of a padded or packed batch, as lazy tensors."""
+        n = _document_lengths(batch, self.image_tokens).double()  # zeros for empty slots: they add nothing
+        a, b, c = self.flops_coefficients
+        samples = (n > 0).sum()
+        slots = batch["input_ids"].numel() + (0 if "position_ids" in batch else self.image_tokens * n.numel())
+        return {"samples": samples, "tokens": n.sum(), "slots": torch.tensor(slots),
+                "flops": c * samples + a * n.sum() + b * (n * n).sum()}
+
+    def describe(self) -> dict[str, Any]:
+        lengths = torch.tensor(self.dataset.lengths, dtype=torch.float64) + self.image_tokens
+        return {
+            "size": self.size, "parameters": self.num_parameters, "config": vars(self.config),
+            "batch_size": self.batch_size, "steps": self.steps, "warmup_steps": self.warmup, "lr": self.lr,
+            "samples_per_run": len(self.dataset), "real_tokens_per_run": int(lengths.sum()),
+            "sample_tokens": {"min": int(lengths.min()), "mean": float(lengths.mean()), "max": int(lengths.max())},
+            "eval_samples": sum(int(b["input_ids"].shape[0]) for b in self.eval_batches),
+        }
+
+
+def _document_lengths(batch: Mapping[str, Any], image_tokens: int) -> Tensor:
+    """Real tokens (image tokens included) of every sample of a padded batch, or of every (row, document) slot of
+    a packed one, where slots without a real token read 0 (no boolean indexing: it would wait for the device)."""
+    if "position_ids" not in batch:  # right-padded: the mask marks the caption, images are prepended
+        return batch["attention_mask"].sum(-1) + image_tokens
+    # Packed rows: documents restart their positions; pads (id 0) are not real tokens (placeholders are).
+    ids = PackedDocuments.from_position_ids(batch["position_ids"]).ids
+    rows, width = ids.shape
+    flat = (ids + torch.arange(rows, device=ids.device)[:, None] * (width + 1)).reshape(-1)
+    real = (batch["input_ids"] != 0).reshape(-1).to(torch.float64)
+    return torch.bincount(flat, weights=real, minlength=rows * (width + 1))
+
+
+def _flops_coefficients(model: TinyVLM, image_tokens: int) -> tuple[float, float, float]:
+    """(a, b, c) with FLOPs of one sample of n tokens = c + a*n + b*n^2, fitted exactly to the analytic formula."""
+    def sample_flops(text_tokens: int) -> float:
+        ids = torch.ones(1, text_tokens, dtype=torch.long)
+        return analytic_flops(model, {"input_ids": ids, "attention_mask": ids,
+                                      "pixel_values": torch.zeros(1, 3, model.config.image_size,
+                                                                  model.config.image_size)})
+
+    xs = [image_tokens + t for t in (4, 8, 16)]
+    ys = [sample_flops(x - image_tokens) for x in xs]
+    basis = torch.tensor([[1.0, x, x * x] for x in xs], dtype=torch.float64)
+    c, a, b = torch.linalg.solve(basis, torch.tensor(ys, dtype=torch.float64)).tolist()
+    return a, b, c
+
+
+def build_workload(size: str = "cpu", steps: int = 40, warmup: int = 5, seed: int = 0,
+                   batch_size: int | None = None) -> Workload:
+    """The shared model init, data order and held-out batches for a size in :data:`SIZES`.
+
+    Usage: ``workload = build_workload("cpu", steps=40, warmup=5)``
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown benchmark size '{size}': choose from {sorted(SIZES)}")
+    bench = SIZES[size]
+    batch = batch_size or bench.batch_size
+    config = TinyVLMConfig(**MODEL_SIZES[bench.model])
+    train_samples = (warmup + steps) * batch
+    base = ShapesCaptionDataset(num_samples=train_samples + bench.eval_samples, seed=seed,
+                                max_objects=bench.max_objects)
+    # One fixed shuffled order: runs that do not reorder (padding, packing) see identical batches.
+    order = torch.randperm(train_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+    collate = VLMCollator(image_size=config.image_size, pad_id=base.tokenizer.pad_id)
+    held_out = list(range(train_samples, train_samples + bench.eval_samples))
+    eval_batches = [collate([base[i] for i in held_out[k:k + batch]]) for k in range(0, len(held_out), batch)]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TinyVLM(config)
+    return Workload(size=size, config=config, batch_size=batch, steps=steps, warmup=warmup, lr=bench.lr,
+                    dataset=BenchDataset(base, order), collate=collate, eval_batches=eval_batches,
+                    init_state=copy.deepcopy(model.state_dict()),
+                    flops_coefficients=_flops_coefficients(model, config.num_image_tokens))
+
+
+@torch.no_grad()
+def evaluate_loss(trained: nn.Module, workload: Workload, device: torch.device) -> float:
+    """Token-weighted loss on the held-out batches, fp32, of a fresh model holding `trained`'s weights.
+
+    A fresh copy: the trained module may be compiled, checkpointed or wrapped, and evaluation must be the same
+    computation for every contender.
+    """
+    model = workload.build_model("sdpa")
+    model.load_state_dict({k: v.detach().cpu() for k, v in trained.state_dict().items()})
+    model.to(device).eval()
+    total, count = 0.0, 0
+    for batch in workload.eval_batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        items = int((batch["labels"][:, 1:] != -100).sum())
+        total += float(model(**batch).loss) * items
+        count += items
+    return total / count
