@@ -112,6 +112,9 @@ def test_max_consecutive_skips_stops_a_run_that_keeps_failing():
 
 
 def test_on_interrupt_false_leaves_signals_to_python(tmp_path):
+    # Python's own Ctrl-C handler, whatever an earlier test in this process installed (vlmfast must not replace it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
     class CtrlC(Callback):
         def on_step_end(self, trainer, metrics):
             os.kill(os.getpid(), signal.SIGINT)
@@ -119,8 +122,11 @@ def test_on_interrupt_false_leaves_signals_to_python(tmp_path):
     trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), TrainSpec(
         max_steps=4, batch_size=8, save={"dir": str(tmp_path), "on_interrupt": False}, log={"progress": "off"}),
         callbacks=[CtrlC()])
-    with pytest.raises(KeyboardInterrupt):
-        trainer.fit()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.fit()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not list(tmp_path.iterdir())  # no final checkpoint: the guard was off
 
 
