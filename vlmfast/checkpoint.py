@@ -187,18 +187,14 @@ class _Absent:
 _MISSING = _Absent()
 
 
-def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], fields: tuple[str, ...] = ()) -> None:
-    """Refuse to continue a run whose spec changed in a field that would silently mix two trainings (`fields` and
-    :data:`REFUSED_ON_RESUME`); say which other fields changed and what that means."""
+def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to continue a run whose spec changed in a field that would silently mix two trainings
+    (:data:`REFUSED_ON_RESUME`); say which other fields changed and what that means."""
     from vlmfast.spec import SpecError
 
     changed = _changed_fields(saved, current)
-    for dotted in fields:  # the caller's own list, checked even when absent from the flattened spec
-        old, new = _get_dotted(saved, dotted), _get_dotted(current, dotted)
-        if old != new:
-            changed.setdefault(dotted, (old, new))
     for dotted, (old, new) in changed.items():
-        reason = _refusal(dotted, fields)
+        reason = _refusal(dotted)
         if reason is not None and old is not _MISSING:  # a field newer than the checkpoint's vlmfast is no change
             raise SpecError(
                 f"cannot resume: the checkpoint was written with {dotted}={old!r} but the spec now says {new!r} "
@@ -208,13 +204,13 @@ def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], fiel
     _log_allowed_changes(changed, saved)
 
 
-def _refusal(dotted: str, fields: tuple[str, ...]) -> str | None:
+def _refusal(dotted: str) -> str | None:
     if dotted in ALLOWED_ON_RESUME:
         return None
     for prefix, reason in REFUSED_ON_RESUME.items():
         if dotted == prefix or dotted.startswith(prefix + "."):
             return reason
-    return "this run refuses to change it on resume" if dotted in fields else None
+    return None
 
 
 def _log_allowed_changes(changed: dict[str, tuple[Any, Any]], saved: dict[str, Any]) -> None:
@@ -233,7 +229,8 @@ def _log_allowed_changes(changed: dict[str, tuple[Any, Any]], saved: dict[str, A
 def _changed_fields(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     old, new = _flatten(saved), _flatten(current)
     keys = sorted(old.keys() | new.keys())
-    return {k: (old.get(k, _MISSING), new.get(k, _MISSING)) for k in keys if old.get(k, _MISSING) != new.get(k)}
+    pairs = {k: (old.get(k, _MISSING), new.get(k, _MISSING)) for k in keys}
+    return {k: pair for k, pair in pairs.items() if pair[0] != pair[1]}
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

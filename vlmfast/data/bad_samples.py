@@ -85,13 +85,20 @@ class BadSampleCounts:
         """Count this process's samples (its own row: no cross-process race)."""
         info = get_worker_info()
         slot = (info.id + 1) % MAX_COUNT_SLOTS if info is not None else 0
-        self.table[slot, 0] += good
-        self.table[slot, 1] += bad
+        if good:
+            self.table[slot, 0] += good
+        if bad:
+            self.table[slot, 1] += bad
 
     def as_dict(self) -> dict[str, int]:
         """Totals over all processes."""
         good, bad = (int(v) for v in self.table.sum(dim=0))
         return {"samples": good, "bad": bad}
+
+    def too_many(self, max_bad_fraction: float) -> bool:
+        """More bad samples than `max_bad_fraction` of those read (over at least MIN_WINDOW)?"""
+        good, bad = (int(v) for v in self.table.sum(dim=0))
+        return bad > max_bad_fraction * max(good + bad, MIN_WINDOW)
 
     def reset(self) -> None:
         self.table.zero_()
@@ -161,7 +168,7 @@ class CheckedCollate:
         read = good_total + bad_total
         if kept == 0:
             raise BadSampleError(f"every sample of a batch is bad ({what}): check the dataset and collate_fn")
-        if bad_total > self.max_bad_fraction * max(read, MIN_WINDOW):
+        if self.counts.too_many(self.max_bad_fraction):
             raise TooManyBadSamplesError(
                 f"{what}. {bad_total} of {read} samples read so far were bad, above data.max_bad_sample_fraction "
                 f"{self.max_bad_fraction:g} (over at least {MIN_WINDOW} samples). Fix or filter that sample in the "

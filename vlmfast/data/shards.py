@@ -44,7 +44,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from vlmfast.data.bad_samples import BadSampleError, TooManyBadSamplesError
+from vlmfast.data.bad_samples import (
+    LOGGED_PER_PROCESS,
+    BadSampleCounts,
+    BadSampleError,
+    TooManyBadSamplesError,
+)
 
 __all__ = ["BadSampleError", "CaptionTokens", "ShardDataset", "TooManyBadSamplesError", "write_shards"]
 
@@ -52,10 +57,7 @@ log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 TEXT_EXTENSIONS = ("txt", "caption", "text")
-MAX_COUNT_SLOTS = 257  # one counter row per DataLoader worker (+ the main process): no cross-process races
-MIN_WINDOW = 100  # the bad fraction is taken over at least this many samples, so one early bad sample is allowed
 MAX_CONSECUTIVE_BAD = 1000  # nothing readable at all (e.g. every shard broken in resampled mode): stop, never spin
-LOGGED_BAD_PER_PROCESS = 5
 
 
 def _wds() -> Any:
@@ -248,25 +250,25 @@ class BadSampleCounter:
     """A webdataset handler that counts bad samples in shared memory, logs a few, never sleeps, and stops the run
     once more than `max_bad_fraction` of the samples read (at least MIN_WINDOW) were bad."""
 
-    def __init__(self, counts: torch.Tensor, slot: int, max_bad_fraction: float, where: str) -> None:
-        self.counts, self.slot, self.max_bad_fraction, self.where = counts, slot, max_bad_fraction, where
+    def __init__(self, counts: BadSampleCounts, max_bad_fraction: float, where: str) -> None:
+        self.counts, self.max_bad_fraction, self.where = counts, max_bad_fraction, where
         self.consecutive = 0
         self.logged = 0
 
     def good(self) -> None:
-        self.counts[self.slot, 0] += 1
+        self.counts.add(1, 0)
         self.consecutive = 0
 
     def __call__(self, exc: Exception) -> bool:
-        self.counts[self.slot, 1] += 1
+        self.counts.add(0, 1)
         self.consecutive += 1
         reason = _describe(exc)
-        if self.logged < LOGGED_BAD_PER_PROCESS:
+        if self.logged < LOGGED_PER_PROCESS:
             self.logged += 1
-            more = " (further ones counted, not logged)" if self.logged == LOGGED_BAD_PER_PROCESS else ""
+            more = " (further ones counted, not logged)" if self.logged == LOGGED_PER_PROCESS else ""
             log.warning("%s: skipped a bad sample: %s%s", self.where, reason, more)
-        good, bad = (int(v) for v in self.counts.sum(dim=0))
-        if bad > self.max_bad_fraction * max(good + bad, MIN_WINDOW) or self.consecutive >= MAX_CONSECUTIVE_BAD:
+        if self.counts.too_many(self.max_bad_fraction) or self.consecutive >= MAX_CONSECUTIVE_BAD:
+            good, bad = self.counts.as_dict().values()
             raise TooManyBadSamplesError(
                 f"{bad} of {good + bad} samples read so far were corrupt or unreadable ({bad / (good + bad):.1%}), "
                 f"above max_bad_fraction {self.max_bad_fraction:g} (data.max_bad_sample_fraction); last: {reason}. "
@@ -334,7 +336,7 @@ class ShardDataset(IterableDataset):
         self.max_bad_fraction = max_bad_fraction
         self.draft_size = draft_size
         self.epoch = 0
-        self._counts = torch.zeros(MAX_COUNT_SLOTS, 2, dtype=torch.int64).share_memory_()
+        self._counts = BadSampleCounts()  # shared with the DataLoader workers
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads (the trainer calls it; without it each iteration counts one up)."""
@@ -342,18 +344,17 @@ class ShardDataset(IterableDataset):
 
     def counts(self) -> dict[str, int]:
         """Samples delivered and bad samples skipped so far, summed over this rank's processes."""
-        good, bad = (int(v) for v in self._counts.sum(dim=0))
-        return {"samples": good, "bad": bad}
+        return self._counts.as_dict()
 
     def reset_counts(self) -> None:
-        self._counts.zero_()
+        self._counts.reset()
 
     def __iter__(self) -> Iterator[Any]:
         rank, world_size, worker, num_workers = self._placement()
         epoch, self.epoch = self.epoch, self.epoch + 1  # persistent workers keep their copy: count epochs here too
         where = f"rank {rank} worker {worker}"
         fraction = 0.01 if self.max_bad_fraction is None else self.max_bad_fraction
-        counter = BadSampleCounter(self._counts, (worker + 1) % MAX_COUNT_SLOTS, fraction, where)
+        counter = BadSampleCounter(self._counts, fraction, where)
         if self.resampled:
             urls: Iterable[str] = self._resampled_urls(rank, worker, epoch)
         else:
