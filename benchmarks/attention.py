@@ -21,7 +21,7 @@ from _common import median, write_result
 
 import vlmfast.attention
 from vlmfast.attention.backends import BACKENDS, AttentionInputs
-from vlmfast.strategies.checkpointing import saved_tensor_bytes
+from vlmfast.strategies.activation_checkpointing import saved_tensor_bytes
 from vlmfast.utils import resolve_device
 
 # name -> (vlmfast backend, SDPA kernel restriction)

@@ -28,7 +28,7 @@ from _common import median, write_result
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from vlmfast.distributed.comm_hooks import batched_powersgd_supported, count_bytes
+from vlmfast.engines.comm_hooks import batched_powersgd_supported, count_bytes
 from vlmfast.models import build_tiny_vlm_task
 
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -15,7 +15,7 @@ from torch import nn
 from vlmfast.models import build_tiny_vlm_task
 from vlmfast.spec import ActivationCheckpointingSpec, TrainSpec
 from vlmfast.strategies import checkpointing
-from vlmfast.strategies.checkpointing import (
+from vlmfast.strategies.activation_checkpointing import (
     ActivationCheckpointing,
     apply_activation_checkpointing,
     detach_frozen_modules,

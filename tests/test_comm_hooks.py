@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, batched_powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from vlmfast.distributed.comm_hooks import (
+from vlmfast.engines.comm_hooks import (
     batched_powersgd_supported,
     count_bytes,
     register_comm_hook,

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vlmfast.models import TinyVLM, TinyVLMConfig
 from vlmfast.spec import CompileSpec, TrainSpec
-from vlmfast.strategies.checkpointing import apply_activation_checkpointing
+from vlmfast.strategies.activation_checkpointing import apply_activation_checkpointing
 from vlmfast.strategies.compile import TorchCompile, compile_model
 from vlmfast.testing import simulated_oom
 

@@ -109,7 +109,7 @@ def test_only_rank_zero_writes_metrics_and_checkpoints(tmp_path):
 
 
 def test_nccl_presets_set_only_what_is_unset(monkeypatch):
-    from vlmfast.distributed import apply_nccl_presets
+    from vlmfast.engines import apply_nccl_presets
 
     for key in ("NCCL_IB_DISABLE", "NCCL_NET_GDR_LEVEL", "NCCL_P2P_LEVEL"):
         monkeypatch.delenv(key, raising=False)
@@ -122,7 +122,7 @@ def test_nccl_presets_set_only_what_is_unset(monkeypatch):
 
 
 def test_environment_without_launcher_is_a_single_process(monkeypatch):
-    from vlmfast.distributed import distributed_env
+    from vlmfast.engines import distributed_env
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(key, raising=False)

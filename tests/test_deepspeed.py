@@ -13,7 +13,7 @@ from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.spec import SpecError
 
 deepspeed = pytest.importorskip("deepspeed")
-from vlmfast.distributed.deepspeed_engine import build_deepspeed_config  # noqa: E402
+from vlmfast.engines.deepspeed import build_deepspeed_config  # noqa: E402
 
 
 def _task(kind: str):

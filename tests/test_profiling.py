@@ -26,7 +26,7 @@ from vlmfast.profiling import (
 from vlmfast.profiling.phase_timer import find_submodules, percentile
 from vlmfast.profiling.plots import plot_step_breakdown
 from vlmfast.spec import ProfileSpec, TraceSpec, TrainSpec
-from vlmfast.trainer import OptimizedTrainer
+from vlmfast.train.loop import OptimizedTrainer
 
 CPU = torch.device("cpu")
 

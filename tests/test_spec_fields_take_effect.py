@@ -75,7 +75,7 @@ def test_unshuffled_data_keeps_the_dataset_order():
 
 
 def test_ddp_fields_reach_distributed_data_parallel(tmp_path):
-    from vlmfast.distributed import wrap_ddp
+    from vlmfast.engines import wrap_ddp
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
     try:

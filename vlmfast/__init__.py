@@ -10,7 +10,8 @@ import vlmfast.attention as attention  # callable: vlmfast.attention(q, k, v, ..
 from vlmfast.callbacks import Callback
 from vlmfast.spec import SpecError, TrainSpec
 from vlmfast.strategies.nonfinite import NonFiniteLossError
-from vlmfast.trainer import FitResult, OptimizedTrainer, TrainState
+from vlmfast.train.loop import OptimizedTrainer
+from vlmfast.train.state import FitResult, TrainState
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vlmfast.trainer import FitResult, OptimizedTrainer
+    from vlmfast.train.loop import FitResult, OptimizedTrainer
 
 
 class Callback:

@@ -167,9 +167,8 @@ REFUSED_ON_RESUME: dict[str, str] = {
     "data.group_by_length": "the saved data position points into the old sample order",
     "optimizer": "the optimizer state in the checkpoint carries the old setting and would silently override it",
     "scheduler": "the scheduler state in the checkpoint carries the old schedule, so lr would jump or be ignored",
-    "deepspeed.enabled": "the checkpoint holds another backend's state layout",
+    "engine": "the checkpoint holds another engine's state layout",
     "deepspeed.zero_stage": "the checkpoint holds another ZeRO stage's shards",
-    "fsdp.enabled": "the checkpoint holds another backend's state layout",
 }
 ALLOWED_ON_RESUME = ("optimizer.implementation",)  # the kernel choice: not part of the optimizer state
 # Allowed, but they change what is trained from here on: said in a warning (other changes are logged as info).

@@ -152,7 +152,7 @@ def _load_task(target: str) -> Callable[..., Any]:
 def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:
     """The trainer for the job the arguments name, and the text-only baseline for the built-in task."""
     spec = build_spec(args.config, args.set)  # fails here, before the model or data are built
-    from vlmfast.trainer import OptimizedTrainer
+    from vlmfast.train.loop import OptimizedTrainer
 
     builtin = args.task == DEFAULT_TASK
     task = _load_task(args.task)

@@ -32,11 +32,10 @@ from vlmfast.data.packing import (
 from vlmfast.data.prefetch import DevicePrefetcher
 from vlmfast.data.samplers import LengthGroupedSampler, dataset_lengths, padding_waste
 from vlmfast.data.shards import ShardDataset, write_shards
-from vlmfast.distributed import init_distributed, register_comm_hook, wrap_ddp
-from vlmfast.distributed.deepspeed_engine import build_deepspeed_config
-from vlmfast.distributed.fsdp import full_state_dict, load_full_state_dict, shard_model
-from vlmfast.evaluation import evaluate_loss
-from vlmfast.interrupt import InterruptGuard
+from vlmfast.engines import init_distributed, register_comm_hook, wrap_ddp
+from vlmfast.engines.collectives import all_reduce_gradients
+from vlmfast.engines.deepspeed import build_deepspeed_config
+from vlmfast.engines.fsdp import full_state_dict, load_full_state_dict, shard_model
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb
@@ -52,30 +51,31 @@ from vlmfast.profiling import (
 )
 from vlmfast.strategies.accumulation import (
     accumulate_gradients,
-    all_reduce_gradients,
     count_loss_tokens,
     extract_loss,
     model_accepts_num_items,
     model_shifts_labels,
     sync_context,
 )
-from vlmfast.strategies.checkpointing import (
+from vlmfast.strategies.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpoint_call,
     detach_frozen_modules,
     saved_tensor_bytes,
 )
+from vlmfast.strategies.clipping import clip_gradients
 from vlmfast.strategies.compile import CompileResult, compile_model
 from vlmfast.strategies.oom import OOMFallback, free_memory, is_oom_error, set_expandable_segments
 from vlmfast.strategies.optimizer import (
     build_optimizer,
     build_param_groups,
     build_scheduler,
-    clip_gradients,
     freeze_modules,
     lr_multiplier,
 )
 from vlmfast.strategies.precision import MixedPrecision, autocast_context, enable_tf32
+from vlmfast.train.evaluation import evaluate_loss
+from vlmfast.train.interrupt import InterruptGuard
 
 __all__ = [
     "BatchImagePreprocessor",

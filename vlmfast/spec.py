@@ -42,6 +42,13 @@ KEY_ALIASES: dict[str, str] = {
 }
 
 
+# Fields that moved: the old key is refused with the new one named (docs/migration.md).
+RENAMED_KEYS: dict[str, dict[str, str]] = {
+    "DeepSpeedSpec": {"enabled": "the top-level field `engine: deepspeed` (deepspeed.enabled was replaced in 0.2)"},
+    "FSDPSpec": {"enabled": "the top-level field `engine: fsdp` (fsdp.enabled was replaced in 0.2)"},
+}
+
+
 class Section(BaseModel):
     """Base of every spec section: unknown keys fail with a suggestion of the closest valid key."""
 
@@ -54,6 +61,8 @@ class Section(BaseModel):
             return data
         valid = set(cls.model_fields)
         for key in data:
+            if (moved := RENAMED_KEYS.get(cls.__name__, {}).get(key)) is not None:
+                raise ValueError(f"'{key}' in {_section_label(cls)} was renamed: use {moved}")
             if key not in valid:
                 raise ValueError(f"unknown key '{key}' in {_section_label(cls)}{_suggestion(str(key), valid)}")
         return data
@@ -67,9 +76,7 @@ def _suggestion(key: str, valid: set[str]) -> str:
 
 def _check_backend(spec: TrainSpec) -> None:
     """What the sharded backends cannot do, said before any work (docs/distributed.md explains why)."""
-    if spec.deepspeed.enabled and spec.fsdp.enabled:
-        raise ValueError("deepspeed.enabled and fsdp.enabled are both set: choose one backend")
-    name = {"deepspeed": "deepspeed.enabled", "fsdp": "fsdp.enabled"}.get(spec.backend)
+    name = {"deepspeed": "engine: deepspeed", "fsdp": "engine: fsdp"}.get(spec.engine)
     if name is None:
         return
     if spec.oom.enabled:
@@ -78,7 +85,7 @@ def _check_backend(spec: TrainSpec) -> None:
                          "micro_batch_size, or activation_checkpointing / ZeRO offload for headroom")
     if spec.ddp.comm_hook != "none":
         raise ValueError(f"ddp.comm_hook is a DDP feature and does nothing with {name}: set ddp.comm_hook: none")
-    if spec.deepspeed.enabled and spec.loss.on_nonfinite == "skip" and spec.precision != "fp16":
+    if spec.engine == "deepspeed" and spec.loss.on_nonfinite == "skip" and spec.precision != "fp16":
         raise ValueError("loss.on_nonfinite: skip needs precision fp16 with deepspeed.enabled (DeepSpeed's loss "
                          "scaler skips overflowing steps; other steps are reduced before vlmfast sees them): "
                          "use loss.on_nonfinite: stop")
@@ -249,9 +256,8 @@ Offload = Literal["none", "cpu", "nvme"]
 
 
 class DeepSpeedSpec(Section):
-    """DeepSpeed ZeRO as the training backend instead of DDP (`pip install vlmfast[deepspeed]`)."""
+    """DeepSpeed ZeRO settings, used with `engine: deepspeed` (`pip install vlmfast[deepspeed]`)."""
 
-    enabled: bool = Field(False, description="train through deepspeed.initialize (ZeRO) instead of DDP")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="0: none; 1: optimizer states; 2: + gradients; "
                                             "3: + parameters sharded across ranks")
     offload_optimizer: Offload = Field("none", description="keep optimizer states (and the step) on CPU or NVMe")
@@ -281,9 +287,8 @@ class DeepSpeedSpec(Section):
 
 
 class FSDPSpec(Section):
-    """FSDP2 (`torch.distributed.fsdp.fully_shard`) as the training backend instead of DDP."""
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) settings, used with `engine: fsdp`."""
 
-    enabled: bool = Field(False, description="shard parameters, gradients and optimizer states with FSDP2")
     reshard_after_forward: bool = Field(True, description="free gathered parameters after forward (ZeRO-3-like); "
                                         "off keeps them until backward (ZeRO-2-like, faster, more memory)")
     blocks: list[str] = Field(default_factory=list, description="classes or globs of the modules sharded one by one "
@@ -501,12 +506,17 @@ class TrainSpec(Section):
     max_steps: int = Field(100, ge=1, description="optimizer steps; a resumed run stops at the same step")
     batch_size: int = Field(8, ge=1, description="samples per optimizer step per rank")
     micro_batch_size: int | None = Field(
-        None, ge=1, description="samples per forward/backward; the rest is gradient accumulation (default: batch_size)"
+        None, ge=1, description="samples per forward/backward; the rest is gradient accumulation (default: "
+        "batch_size). Any size: 8 at 3 runs 3 + 3 + 2, exact, since micro-batches are weighted by loss items"
     )
     precision: Precision = Field("fp32", description="fp32, bf16 autocast, or fp16 autocast + GradScaler (CUDA)")
     tf32: bool = Field(False, description="allow TF32 matmuls and convolutions on CUDA")
     device: str = Field("auto", description="'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'")
     grad_clip: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
+    engine: Literal["ddp", "fsdp", "deepspeed"] = Field(
+        "ddp", description="who runs backward and the step: ddp (one process, or DistributedDataParallel when "
+        "launched on several ranks), fsdp (FSDP2, settings in `fsdp`), deepspeed (ZeRO, settings in `deepspeed`)"
+    )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     loss: LossSpec = Field(default_factory=LossSpec)
@@ -541,12 +551,6 @@ class TrainSpec(Section):
                 f"micro_batch_size ({mbs}) is larger than batch_size ({self.batch_size}): "
                 f"set micro_batch_size <= {self.batch_size}"
             )
-        if mbs is not None and self.batch_size % mbs:
-            divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be divisible by micro_batch_size ({mbs}) so every "
-                f"micro-batch has the same size: use micro_batch_size in {divisors}"
-            )
         if self.precision == "fp16" and self.device.startswith("cpu"):
             raise ValueError("precision 'fp16' needs a CUDA device (GradScaler); on CPU use precision: bf16")
         if self.scheduler.warmup_steps >= self.max_steps and self.scheduler.warmup_steps > 0:
@@ -574,11 +578,6 @@ class TrainSpec(Section):
             raise ValueError("log.tensorboard needs log.dir: set log.dir to a folder")
         _check_backend(self)
         return self
-
-    @property
-    def backend(self) -> Literal["torch", "deepspeed", "fsdp"]:
-        """Who synchronises gradients and steps: torch (one process or DDP), DeepSpeed or FSDP2."""
-        return "deepspeed" if self.deepspeed.enabled else "fsdp" if self.fsdp.enabled else "torch"
 
     @property
     def resolved_micro_batch_size(self) -> int:

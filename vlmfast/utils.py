@@ -7,6 +7,13 @@ import random
 import numpy as np
 import torch
 
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # spec name -> dtype
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside a DDP / DeepSpeed wrapper (`.module`), or the model itself."""
+    return getattr(model, "module", model)
+
 
 def resolve_device(name: str) -> torch.device:
     """'auto' -> the current CUDA device when available, else CPU; anything else as torch reads it."""

@@ -27,7 +27,7 @@ from vlmfast import NonFiniteLossError, OptimizedTrainer
 from vlmfast.attention.dispatch import AttentionBackendError
 from vlmfast.checkpoint import CorruptCheckpointError
 from vlmfast.data.bad_samples import BadSampleError, TooManyBadSamplesError
-from vlmfast.distributed.process_group import RankFailureError
+from vlmfast.engines.process_group import RankFailureError
 from vlmfast.models import ShapesCaptionDataset, TinyVLM, TinyVLMConfig, VLMCollator
 from vlmfast.spec import SpecError, TrainSpec, check_environment
 from vlmfast.strategies.oom import OutOfMemoryAtMinimumError

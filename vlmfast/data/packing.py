@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from vlmfast.attention.documents import is_mrope_position_ids
+from vlmfast.utils import unwrap_model
 
 if TYPE_CHECKING:
     from vlmfast.spec import PackingSpec
@@ -252,7 +253,7 @@ def build_packing_collator(
     disable_kv_cache(model)
     image_tokens = spec.image_tokens
     if image_tokens is None:
-        image_tokens = int(getattr(getattr(model, "module", model), "prepended_image_tokens", 0))
+        image_tokens = int(getattr(unwrap_model(model), "prepended_image_tokens", 0))
     return PackingCollator(
         max_tokens=spec.max_tokens, collate_fn=collate_fn, algorithm=spec.algorithm, image_tokens=image_tokens,
         image_layout=spec.image_layout, shift_labels=shift_labels, pad_id=int(getattr(collate_fn, "pad_id", 0)),

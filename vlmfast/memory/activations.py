@@ -7,7 +7,7 @@ measured during a probe forward at micro-batch 1 and 2 and extrapolated linearly
 the batch, such as autocast's 16-bit weight copies, stays fixed). Hugging Face models built on the meta device cost
 nothing to probe: shapes and dtypes are all that is needed. With ``activation_checkpointing`` the same probe tells
 what checkpointing keeps: every repeated block's inputs (``nn.ModuleList`` of one class, as
-``vlmfast.strategies.checkpointing`` selects them) plus everything saved outside the blocks, plus one block's
+``vlmfast.strategies.activation_checkpointing`` selects them) plus everything saved outside the blocks, plus one block's
 internals, recomputed during backward. Measured with hooks rather than by applying checkpointing, because
 non-reentrant checkpointing holds the block inputs in its recomputation closure, out of sight of saved-tensor hooks,
 and because an estimate should not rewrap the user's model.
@@ -81,7 +81,7 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     Usage: ``[name for name, _ in repeated_blocks(model)]`` -> ``['vision_tower.blocks.0', ...]``
     """
-    from vlmfast.strategies.checkpointing import find_repeated_blocks  # the strategy's own choice: they agree
+    from vlmfast.module_tree import find_repeated_blocks  # the strategy's own choice: they agree
 
     return [(f"{path}.{i}", block) for path, mlist in find_repeated_blocks(model).items()
             for i, block in enumerate(mlist)]

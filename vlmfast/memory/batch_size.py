@@ -5,25 +5,20 @@ Usage::
     search = trainer.find_micro_batch_size()      # model and optimizer state are restored afterwards
     print(search.largest, search.recommended)
 
-or, for any loop, ``find_max_micro_batch_size(probe, max_size=64)`` with ``probe(n)`` running one step on n samples.
+(vlmfast.train.batch_size), or for any loop ``find_max_micro_batch_size(probe, max_size=64)`` with ``probe(n)``
+running one step on n samples.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from vlmfast.data.batch import move_to_device, split_batch
-from vlmfast.strategies.oom import any_rank, free_memory, is_oom_error
-from vlmfast.utils import rng_state, set_rng_state
-
-if TYPE_CHECKING:
-    from vlmfast.trainer import OptimizedTrainer
+from vlmfast.engines.collectives import any_rank
+from vlmfast.strategies.oom import free_memory, is_oom_error
 
 log = logging.getLogger(__name__)
 
@@ -98,41 +93,3 @@ def _probe_fits(probe: Callable[[int], None], n: int, safety_margin: float, devi
         total = torch.cuda.get_device_properties(device).total_memory
         ok = torch.cuda.max_memory_allocated(device) <= safety_margin * total
     return not any_rank(not ok)
-
-
-def search_trainer_micro_batch_size(trainer: OptimizedTrainer, safety_margin: float = 0.9) -> BatchSizeSearch:
-    """`OptimizedTrainer.find_micro_batch_size`: probe the trainer's own step, then restore all of its state."""
-    from vlmfast.spec import SpecError
-
-    if trainer.spec.backend != "torch":
-        raise SpecError(f"find_micro_batch_size probes without a sharded backend: run it with "
-                        f"{trainer.spec.backend}.enabled: false (the per-rank activation memory is the same)")
-    model = getattr(trainer.model, "module", trainer.model)
-    cpu = torch.device("cpu")
-    # Snapshots on the host (copied: on CPU .to() aliases): a device copy would take the memory being measured.
-    snapshot = (copy.deepcopy(move_to_device(model.state_dict(), cpu)),
-                copy.deepcopy(move_to_device(trainer.optimizer.state_dict(), cpu)),
-                rng_state(), trainer.loader.state_dict())
-    manual_sync, trainer._manual_grad_sync = trainer._manual_grad_sync, True  # no DDP all-reduce inside a probe
-    batch = next(trainer.loader)
-    was_training = trainer.model.training
-    trainer.model.train()
-
-    def probe(n: int) -> None:
-        try:
-            trainer._forward_backward(split_batch(batch, n)[0], n)
-            trainer.optimizer.step()  # optimizer states are allocated on the first step: count them
-        finally:
-            trainer.optimizer.zero_grad(set_to_none=True)
-
-    try:
-        return find_max_micro_batch_size(probe, trainer.spec.batch_size, safety_margin=safety_margin,
-                                         device=trainer.device)
-    finally:
-        model.load_state_dict(snapshot[0])
-        trainer.optimizer.load_state_dict(snapshot[1])
-        set_rng_state(snapshot[2])
-        trainer.loader.load_state_dict(snapshot[3])
-        trainer.accumulation.micro_batch_size = trainer.state.micro_batch_size
-        trainer._manual_grad_sync = manual_sync
-        trainer.model.train(was_training)

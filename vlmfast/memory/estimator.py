@@ -66,7 +66,8 @@ from vlmfast.memory.activations import (
 )
 from vlmfast.memory.fixes import FixPlan, _plan_fixes
 from vlmfast.memory.zero import DS_BUFFER_FACTOR, _largest_layer_params, _shard
-from vlmfast.strategies.optimizer import matches
+from vlmfast.module_tree import matches
+from vlmfast.utils import PRECISION_DTYPES
 
 if TYPE_CHECKING:  # re-exported lazily by __getattr__ below: known_models imports this module
     from vlmfast.memory.known_models import KNOWN_CONFIGS, estimate_from_hf_config
@@ -93,7 +94,6 @@ Precision = Literal["fp32", "bf16", "fp16"]
 OptimizerName = Literal["adamw", "adam", "sgd", "sgd_momentum", "adafactor", "adamw_8bit"]
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd_momentum", "adafactor", "adamw_8bit")
 CHECKPOINT_SCOPES = ("all", "language_model", "vision")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Component names by module-path segment; the projector is looked for first (Qwen2-VL's merger sits inside
 # `visual`), then the vision tower; everything else is the language model (embeddings, layers, norm, lm_head).
@@ -126,7 +126,8 @@ class EstimateOptions:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.precision in _DTYPES, f"precision must be one of {sorted(_DTYPES)}, got {self.precision!r}"),
+            (self.precision in PRECISION_DTYPES,
+             f"precision must be one of {sorted(PRECISION_DTYPES)}, got {self.precision!r}"),
             (self.optimizer in OPTIMIZERS, f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}"),
             (self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}"),
             (self.seq_len is None or self.seq_len >= 2, f"seq_len must be >= 2, got {self.seq_len}"),
@@ -471,7 +472,7 @@ def _as_trained(model: nn.Module, precision: str, frozen: Sequence[nn.Parameter]
     was_training = model.training
     flags = [(p, p.requires_grad) for p in frozen]
     first = _first_param(model)
-    original, dtype = first.dtype, _DTYPES[precision]  # read before a cast changes `first` in place
+    original, dtype = first.dtype, PRECISION_DTYPES[precision]  # read before a cast changes `first` in place
     model.train()
     for param, _ in flags:
         param.requires_grad_(False)

@@ -35,7 +35,7 @@ from vlmfast.memory.stats import GB, memory_stats
 from vlmfast.spec import MemorySpec
 
 if TYPE_CHECKING:
-    from vlmfast.trainer import FitResult, OptimizedTrainer
+    from vlmfast.train.loop import FitResult, OptimizedTrainer
 
 log = logging.getLogger(__name__)
 

@@ -280,7 +280,7 @@ def _oom_risk(ev: Evidence) -> Finding | None:
     if not spec.oom.enabled:
         candidates.append({"oom.enabled": True})
     if ev.world_size > 1:
-        candidates.append({"deepspeed.enabled": True, "deepspeed.zero_stage": 2})
+        candidates.append({"engine": "deepspeed", "deepspeed.zero_stage": 2})
     return Finding("oom_risk", "Out-of-memory risk: peak memory is close to the device's", 0.5 + (used - 0.9) * 5,
                    f"peak {ev.peak_memory_gb:.2f} GiB of {ev.device_memory_gb:.2f} GiB ({used:.0%})",
                    _first_valid(spec, candidates),

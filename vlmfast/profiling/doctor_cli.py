@@ -99,7 +99,7 @@ def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
 
 
 def _fit(spec: Any, build_job: Any) -> tuple[Any, Any]:
-    from vlmfast.trainer import OptimizedTrainer
+    from vlmfast.train.loop import OptimizedTrainer
 
     model, dataset, collate = build_job()  # a fresh model per run: every trial starts from the same weights
     trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)

@@ -1,17 +1,5 @@
-"""One file per strategy: a plain function usable alone plus a thin class the trainer composes."""
+"""One file per strategy: its spec section, a plain function usable alone, and a thin class the loop composes.
 
-from vlmfast.strategies.accumulation import GradientAccumulation
-from vlmfast.strategies.base import Strategy
-from vlmfast.strategies.checkpointing import ActivationCheckpointing
-from vlmfast.strategies.oom import OOMFallback
-from vlmfast.strategies.optimizer import Optimization
-from vlmfast.strategies.precision import MixedPrecision
-
-__all__ = [
-    "ActivationCheckpointing",
-    "GradientAccumulation",
-    "MixedPrecision",
-    "OOMFallback",
-    "Optimization",
-    "Strategy",
-]
+The protocol is in :mod:`vlmfast.strategies.base`; which strategies a spec turns on, and in which order, is
+:func:`vlmfast.strategies.registry.build_strategies`. Standalone functions are re-exported by :mod:`vlmfast.hooks`.
+"""

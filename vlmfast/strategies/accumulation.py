@@ -16,7 +16,7 @@ Usage in a hand-written loop::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,9 @@ import torch
 from torch import nn
 
 from vlmfast.data.batch import batch_size_of, move_to_device, split_batch
-from vlmfast.strategies.base import Strategy
+from vlmfast.engines.collectives import all_reduce_sum, sum_and_max, world_size
+from vlmfast.strategies.base import Step, Strategy
+from vlmfast.utils import unwrap_model
 
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
@@ -79,7 +81,7 @@ def count_loss_tokens(
 
 def model_shifts_labels(model: nn.Module) -> bool:
     """Whether the model's own loss predicts labels[t+1] at t (Hugging Face causal LMs and VLMs do)."""
-    model = getattr(model, "module", model)  # DDP
+    model = unwrap_model(model)
     declared = getattr(model, "loss_shifts_labels", None)
     if declared is not None:
         return bool(declared)
@@ -98,7 +100,7 @@ def model_shifts_labels(model: nn.Module) -> bool:
 
 def model_accepts_num_items(model: nn.Module) -> bool:
     """Whether forward takes `num_items_in_batch` (Hugging Face's loss-kwargs convention)."""
-    model = getattr(model, "module", model)
+    model = unwrap_model(model)
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     params = inspect.signature(model.forward).parameters
@@ -110,14 +112,26 @@ def model_accepts_num_items(model: nn.Module) -> bool:
 
 @dataclass
 class AccumulationPlan:
-    """How one optimizer batch is split and weighted."""
+    """How one optimizer batch is split and weighted.
+
+    Every rank runs the same number of micro-batches (agreed before the first forward): a rank with fewer repeats
+    its last one with weight 0 (`padding`), so ranks issue the same collectives whatever their data.
+    """
 
     micro_batches: list[Any]
     weighting: str  # "tokens" or "samples"
-    items: list[int | None]  # loss items per micro-batch when countable before forward
+    items: list[int | None]  # loss items per micro-batch when countable before forward (0 for padding)
     divisor: float  # N: loss items in the whole batch across ranks (provisional when not exact)
     exact: bool  # divisor is the real count: no correction after backward
+    padding: int = 0  # trailing zero-weight micro-batches added for rank symmetry
     reported_items: list[Any] = field(default_factory=list)  # counts returned by loss_fn, filled during the step
+
+    @property
+    def last(self) -> int:
+        return len(self.micro_batches) - 1
+
+    def is_padding(self, index: int) -> bool:
+        return index >= len(self.micro_batches) - self.padding
 
 
 class GradientAccumulation(Strategy):
@@ -127,24 +141,20 @@ class GradientAccumulation(Strategy):
 
     def __init__(
         self,
-        micro_batch_size: int,
         *,
         weighting: str = "auto",
         label_key: str = "labels",
         ignore_index: int = -100,
         shift_labels: str | bool = "auto",
         loss_fn: LossFn | None = None,
-        world_size: int = 1,
     ) -> None:
-        self.micro_batch_size = micro_batch_size
         self.weighting = weighting
         self.label_key = label_key
         self.ignore_index = ignore_index
         self.shift_labels = shift_labels
         self.loss_fn = loss_fn
-        self.world_size = world_size
         self.passes_num_items = False
-        self.accumulation_steps = 1
+        self.last_split = (0, 0)  # (micro-batches, size) of the last plan: for the report
         self.resolved_weighting = weighting
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -155,23 +165,24 @@ class GradientAccumulation(Strategy):
         self.passes_num_items = self.loss_fn is None and model_accepts_num_items(model)
         return model
 
-    def plan(self, batch: Any) -> AccumulationPlan:
-        """Split `batch` and count its loss items (on the host, before it moves to the device)."""
-        micro_batches = split_batch(batch, self.micro_batch_size)
-        self.accumulation_steps = len(micro_batches)
+    def plan(self, batch: Any, micro_batch_size: int) -> AccumulationPlan:
+        """Split `batch` and count its loss items (on the host, before it moves to the device); ranks agree on the
+        total and on the number of micro-batches in one collective."""
+        micro_batches = split_batch(batch, micro_batch_size)
         token_counts = [self._count_tokens(mb) for mb in micro_batches]
-        if 0 in token_counts:  # micro-batches without loss tokens first, so the last one (DDP's sync) has some
-            order = sorted(range(len(micro_batches)), key=lambda i: token_counts[i] != 0)
-            micro_batches, token_counts = [micro_batches[i] for i in order], [token_counts[i] for i in order]
         countable = all(n is not None for n in token_counts)
         weighting = self.resolved_weighting = self._resolve_weighting(countable)
         items = token_counts if weighting == "tokens" else [batch_size_of(mb) for mb in micro_batches]
         known = all(n is not None for n in items)
         local = sum(items) if known else batch_size_of(batch)
-        divisor = float(all_reduce_sum(local, self.world_size))
+        divisor, count = sum_and_max(float(local), len(micro_batches))
+        padding = count - len(micro_batches)
+        micro_batches += [micro_batches[-1]] * padding
+        items += [0] * padding
+        self.last_split = (count, micro_batch_size)
         # With a loss_fn that reports its own counts, those are the truth: correct after backward if they differ.
         exact = known and self.loss_fn is None
-        return AccumulationPlan(micro_batches, weighting, items, max(divisor, 1.0), exact)
+        return AccumulationPlan(micro_batches, weighting, items, max(divisor, 1.0), exact, padding)
 
     def _count_tokens(self, micro_batch: Any) -> int | None:
         return count_loss_tokens(micro_batch, self.label_key, self.ignore_index, bool(self.shift_labels))
@@ -187,21 +198,27 @@ class GradientAccumulation(Strategy):
         return self.weighting
 
     def micro_batch_loss(self, model: nn.Module, micro_batch: Any, plan: AccumulationPlan, index: int) -> torch.Tensor:
-        """This micro-batch's share of the batch loss: ``loss_sum_i / N`` (what to backpropagate, per rank)."""
+        """This micro-batch's share of the batch loss: ``loss_sum_i / N`` (what to backpropagate, per rank).
+
+        A micro-batch without loss items (or a padding one) still runs forward and backward, with weight 0, so
+        every rank's collectives match; a model's mean over zero tokens (NaN) is zeroed, never propagated."""
+        share = self._share(model, micro_batch, plan, index)
+        if plan.items[index] == 0 or plan.is_padding(index):
+            return torch.nan_to_num(share, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+        return share
+
+    def _share(self, model: nn.Module, micro_batch: Any, plan: AccumulationPlan, index: int) -> torch.Tensor:
         if self.loss_fn is not None:
             result = self.loss_fn(model, micro_batch)
             if isinstance(result, (tuple, list)):
                 loss_sum, n_items = result
-                plan.reported_items.append(n_items)
+                if not plan.is_padding(index):
+                    plan.reported_items.append(n_items)
                 return loss_sum / plan.divisor
             return _mean_to_share(extract_loss(result), plan, index)
         if self.passes_num_items and plan.weighting == "tokens":
             return extract_loss(call_model(model, micro_batch, num_items_in_batch=int(plan.divisor)))
         return _mean_to_share(extract_loss(call_model(model, micro_batch)), plan, index)
-
-    def skippable(self, plan: AccumulationPlan, index: int) -> bool:
-        """A micro-batch with no loss tokens contributes nothing, and a model's mean over zero tokens is NaN."""
-        return plan.weighting == "tokens" and self.loss_fn is None and plan.items[index] == 0
 
     def local_items(self, plan: AccumulationPlan) -> float:
         """Loss items of this rank's batch (what loss_fn reported, else what was counted before forward)."""
@@ -209,20 +226,21 @@ class GradientAccumulation(Strategy):
             return sum(float(n) for n in plan.reported_items)
         return float(sum(n or 0 for n in plan.items))
 
-    def backward_scale(self) -> float:
-        """DDP averages gradients over ranks; the shares are fractions of the global batch, so undo that."""
-        return float(self.world_size)
-
     def correction(self, plan: AccumulationPlan) -> float:
         """Factor to apply to gradients (and the logged loss) once all micro-batches ran; 1.0 when exact."""
         if plan.exact or not plan.reported_items:
             return 1.0
-        local = sum(float(n) for n in plan.reported_items)  # one host sync per step, only on this path
-        true_total = all_reduce_sum(local, self.world_size)
-        return plan.divisor / max(true_total, 1.0)
+        local = sum(float(n) for n in plan.reported_items)  # one host read per step, only on this path
+        return plan.divisor / max(all_reduce_sum(local), 1.0)
+
+    def after_backward(self, step: Step) -> None:
+        factor = self.correction(step.plan)
+        if factor != 1.0:
+            step.scale_gradients(factor)
 
     def describe(self) -> str:
-        split = f"{self.accumulation_steps} micro-batch(es) of {self.micro_batch_size}"
+        count, size = self.last_split
+        split = f"{count} micro-batch(es) of up to {size}"
         how = {"tokens": "weighted by loss tokens", "samples": "weighted by samples"}.get(
             self.resolved_weighting, f"weighting {self.resolved_weighting}")
         extra = ", num_items_in_batch passed to the model" if self.passes_num_items else ""
@@ -234,58 +252,6 @@ def _mean_to_share(mean_loss: torch.Tensor, plan: AccumulationPlan, index: int) 
     if n_items is None:
         raise ValueError("cannot weight a mean loss without its item count: return (loss_sum, n_items) from loss_fn")
     return mean_loss * (n_items / plan.divisor)
-
-
-def all_reduce_sum(value: float, world_size: int) -> float:
-    """Sum a host number over ranks (a no-op in a single process)."""
-    if world_size <= 1 or not torch.distributed.is_initialized():
-        return value
-    backend = torch.distributed.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor)
-    return float(tensor.item())
-
-
-def scale_gradients(parameters: Iterable[torch.Tensor], factor: float) -> None:
-    """Multiply every gradient in place (one foreach kernel)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if grads and factor != 1.0:
-        torch._foreach_mul_(grads, factor)
-
-
-def all_reduce_gradients(parameters: Iterable[torch.Tensor], world_size: int, bucket_mb: float = 25.0) -> None:
-    """Average gradients over ranks by hand, in flat buckets (used when DDP's own sync is off, e.g. OOM fallback).
-
-    Every trainable parameter takes part (a missing gradient counts as zeros) so all ranks reduce the same buckets.
-    """
-    if world_size <= 1 or not torch.distributed.is_initialized():
-        return
-    params = [p for p in parameters if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    limit = bucket_mb * 2**20
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for grad in [p.grad for p in params]:
-        if bucket and (grad.dtype != bucket[0].dtype or size + grad.nbytes > limit):
-            _reduce_bucket(bucket, world_size)
-            bucket, size = [], 0
-        bucket.append(grad)
-        size += grad.nbytes
-    if bucket:
-        _reduce_bucket(bucket, world_size)
-
-
-def _reduce_bucket(grads: list[torch.Tensor], world_size: int) -> None:
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    flat = _flatten_dense_tensors(grads)
-    torch.distributed.all_reduce(flat)
-    flat /= world_size
-    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        grad.copy_(synced)
 
 
 def sync_context(model: nn.Module, is_last: bool) -> AbstractContextManager[Any]:
@@ -322,18 +288,20 @@ def accumulate_gradients(
 
     Returns the batch loss (detached). Usage: ``loss = accumulate_gradients(model, batch, 2); optimizer.step()``.
     """
-    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    accumulation = GradientAccumulation(micro_batch_size, weighting=weighting, loss_fn=loss_fn, world_size=world_size)
+    ranks = world_size()
+    accumulation = GradientAccumulation(weighting=weighting, loss_fn=loss_fn)
     accumulation.apply(model)
-    plan = accumulation.plan(batch)
+    plan = accumulation.plan(batch, micro_batch_size)
     total = torch.zeros(())
     for index, micro_batch in enumerate(plan.micro_batches):
         if device is not None:
             micro_batch = move_to_device(micro_batch, device)
-        with sync_context(model, index == len(plan.micro_batches) - 1), forward_context():
+        with sync_context(model, index == plan.last), forward_context():
             share = accumulation.micro_batch_loss(model, micro_batch, plan, index)
-        backward(share * accumulation.backward_scale() if world_size > 1 else share)
+        backward(share * ranks if ranks > 1 else share)  # DDP averages over ranks; shares are global fractions
         total = total.to(share.device) + share.detach().float()
     factor = accumulation.correction(plan)
-    scale_gradients(model.parameters(), factor)
+    if factor != 1.0:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, factor)
     return total * factor

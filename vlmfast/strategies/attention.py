@@ -16,16 +16,15 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
 from torch import nn
 
 from vlmfast.attention import AttentionBackendError, AttentionSetting, set_attention_backend
 from vlmfast.spec import AttentionSpec
 from vlmfast.strategies.base import Strategy
+from vlmfast.utils import PRECISION_DTYPES
 
 __all__ = ["AttentionBackend"]
 
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class AttentionBackend(Strategy):
@@ -35,7 +34,8 @@ class AttentionBackend(Strategy):
 
     def __init__(self, spec: AttentionSpec, precision: str = "fp32") -> None:
         self.spec = spec
-        self.dtype = _COMPUTE_DTYPES.get(precision)  # autocast computes attention in this dtype
+        # autocast computes attention in this dtype
+        self.dtype = PRECISION_DTYPES[precision] if precision != "fp32" else None
         self.setting: AttentionSetting | None = None
 
     def apply(self, model: nn.Module) -> nn.Module:

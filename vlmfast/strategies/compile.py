@@ -34,9 +34,9 @@ import torch
 from torch import nn
 from torch.utils import _python_dispatch
 
+from vlmfast.module_tree import find_repeated_blocks
 from vlmfast.spec import CompileSpec
 from vlmfast.strategies.base import Strategy
-from vlmfast.strategies.checkpointing import find_repeated_blocks
 
 __all__ = ["CompileResult", "TorchCompile", "compile_model"]
 

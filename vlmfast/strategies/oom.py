@@ -12,6 +12,9 @@ Usage in a hand-written loop::
         loss = fallback.run(lambda mbs: accumulate_gradients(model, batch, mbs),
                             cleanup=lambda: optimizer.zero_grad(set_to_none=True))
         optimizer.step(); optimizer.zero_grad(set_to_none=True)
+
+In the trainer it is the micro-batch sizer: the loop calls ``sizer.run(lambda size: train_step(batch, size), ...)``
+and this object holds the only mutable micro-batch size (:class:`FixedMicroBatchSize` when the fallback is off).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from vlmfast.engines.collectives import agree_max
 from vlmfast.spec import OOMSpec
 from vlmfast.strategies.base import Strategy
 
@@ -73,22 +77,22 @@ def set_expandable_segments() -> bool:
     return True
 
 
-def rank_max(value: int) -> int:
-    """The largest `value` over ranks (MAX all-reduce; the value itself in a single process)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return value
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor([value], device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return int(tensor.item())
-
-
-def any_rank(flag: bool) -> bool:
-    """Whether `flag` is set on any rank."""
-    return bool(rank_max(int(flag)))
-
-
 OK, OOM, FAILED = 0, 1, 2  # what a rank reports after an attempt; the worst one wins
+
+
+class FixedMicroBatchSize(Strategy):
+    """The micro-batch size when nothing changes it: `run` calls the attempt once at the spec's size."""
+
+    name = "micro_batch_size"
+
+    def __init__(self, micro_batch_size: int) -> None:
+        self.micro_batch_size = micro_batch_size
+
+    def run(self, attempt: Callable[[int], T], cleanup: Callable[[], None]) -> T:
+        return attempt(self.micro_batch_size)
+
+    def describe(self) -> str:
+        return ""  # the accumulation line already says how the batch was split
 
 
 class OOMFallback(Strategy):
@@ -121,7 +125,7 @@ class OOMFallback(Strategy):
                     status = OOM  # the exception (and the tensors its traceback pins) dies with this block
                 else:
                     status, error = FAILED, exc
-            worst = rank_max(status)  # every rank joins, even one about to raise, so no peer waits for it
+            worst = agree_max(status)  # every rank joins, even one about to raise, so no peer waits for it
             if error is not None:
                 raise error
             if worst == FAILED:
@@ -177,3 +181,11 @@ class OOMFallback(Strategy):
     def describe(self) -> str:
         changes = "; ".join(f"{e['from']}->{e['to']} ({e['reason']})" for e in self.events) or "no OOM"
         return f"oom fallback: micro_batch_size {self.configured} -> {self.micro_batch_size} now; {changes}"
+
+
+def build_micro_batching(spec: OOMSpec, micro_batch_size: int, describe_memory: Callable[[], str] | None = None,
+                         on_oom: Callable[[], None] | None = None) -> FixedMicroBatchSize | OOMFallback:
+    """The object that owns the micro-batch size: the OOM fallback when `oom.enabled`, else a fixed size."""
+    if not spec.enabled:
+        return FixedMicroBatchSize(micro_batch_size)
+    return OOMFallback(spec, micro_batch_size, describe_memory=describe_memory, on_oom=on_oom)

@@ -9,7 +9,6 @@ Usage in a hand-written loop::
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from typing import Any
 
@@ -17,17 +16,9 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from vlmfast.spec import OptimizerSpec, SchedulerSpec, TrainSpec
-from vlmfast.strategies.base import Strategy
-
-
-def matches(name: str, pattern: str) -> bool:
-    """Whether a parameter lies under a module path at any depth, or matches a glob.
-
-    'vision_tower' matches 'vision_tower.blocks.0.w' and Hugging Face's 'model.vision_tower.encoder...';
-    'model.vision_tower' and '*.proj.weight' work too.
-    """
-    return f".{pattern}." in f".{name}." or fnmatch.fnmatchcase(name, pattern)
+from vlmfast.module_tree import matches
+from vlmfast.spec import OptimizerSpec, SchedulerSpec
+from vlmfast.strategies.base import Step, Strategy
 
 
 def freeze_modules(model: nn.Module, patterns: list[str]) -> int:
@@ -122,12 +113,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: SchedulerSpec, max_s
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, spec, max_steps))
 
 
-def clip_gradients(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm; returns the norm before clipping (a device tensor: no sync)."""
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor, the same on all ranks
-
-
 def human_count(n: int) -> str:
     """12 -> '12', 34_500 -> '34.5k', 7_100_000 -> '7.10M'."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -137,61 +122,49 @@ def human_count(n: int) -> str:
 
 
 class Optimization(Strategy):
-    """Builds the optimizer and scheduler for the trainer, freezes modules, clips gradients."""
+    """Freezes modules, builds the optimizer (when the engine asks: after sharding) and steps the schedule.
+
+    Usage: ``model = opt.apply(model); optimizer = opt.build(model)``; the loop calls ``after_step`` each step.
+    """
 
     name = "optimizer"
 
-    def __init__(self, spec: TrainSpec, device: torch.device) -> None:
-        self.spec = spec
-        self.device = device
+    def __init__(self, optimizer: OptimizerSpec, scheduler: SchedulerSpec, max_steps: int,
+                 device: torch.device) -> None:
+        self.spec, self.schedule, self.max_steps, self.device = optimizer, scheduler, max_steps, device
         self.frozen_params = 0
+        self.trainable_params = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: LambdaLR | None = None
-        self.trainable: list[torch.Tensor] = []
-        self._names: dict[int, str] = {}
-
-    owns_optimizer_state = True  # False when a sharded backend (DeepSpeed) checkpoints the optimizer itself
 
     def apply(self, model: nn.Module) -> nn.Module:
-        self.frozen_params = freeze_modules(model, self.spec.optimizer.freeze)
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self._names = {id(p): name for name, p in model.named_parameters()}
-        self.optimizer = build_optimizer(model, self.spec.optimizer, self.device)
-        self.scheduler = build_scheduler(self.optimizer, self.spec.scheduler, self.spec.max_steps)
+        self.frozen_params = freeze_modules(model, self.spec.freeze)
+        self.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return model
 
-    def clip(self) -> torch.Tensor | None:
-        """Clip to `grad_clip` when set; returns the pre-clip norm."""
-        return clip_gradients(self.trainable, self.spec.grad_clip) if self.spec.grad_clip else None
+    def build(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer over `model`'s trainable parameters, and its schedule (the engine calls this)."""
+        self.optimizer = build_optimizer(model, self.spec, self.device)
+        self.scheduler = build_scheduler(self.optimizer, self.schedule, self.max_steps)
+        return self.optimizer
 
-    def nonfinite_groups(self) -> list[str]:
-        """'group label: parameter names' for every group holding NaN/Inf gradients (error path only: syncs)."""
-        bad = []
-        for group in self.optimizer.param_groups:
-            names = [self._names.get(id(p), "?") for p in group["params"]
-                     if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-            if names:
-                shown = ", ".join(names[:4]) + (f" +{len(names) - 4}" if len(names) > 4 else "")
-                bad.append(f"group '{group.get('label', '?')}' ({shown})")
-        return bad
+    def after_step(self, step: Step) -> None:
+        step.metrics["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step used, before the schedule moves
+        self.scheduler.step()
 
     def state_dict(self) -> dict[str, Any]:
-        if not self.owns_optimizer_state:
-            return {"scheduler": self.scheduler.state_dict()}
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return {"scheduler": self.scheduler.state_dict()}  # the optimizer state is the engine's (it may shard it)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "optimizer" in state:  # absent when a sharded backend (DeepSpeed) checkpoints the optimizer itself
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
 
     def describe(self) -> str:
         opt = self.optimizer
         kernel = next((k for k in ("fused", "foreach") if opt.defaults.get(k)), "for-loop")
-        n_train = sum(p.numel() for p in self.trainable)
-        frozen = f", {human_count(self.frozen_params)} frozen ({', '.join(self.spec.optimizer.freeze)})" \
+        frozen = f", {human_count(self.frozen_params)} frozen ({', '.join(self.spec.freeze)})" \
             if self.frozen_params else ""
-        sched = self.spec.scheduler
+        sched = self.schedule
         return (f"optimizer: {type(opt).__name__} ({kernel}), {len(opt.param_groups)} param groups, "
-                f"{human_count(n_train)} trainable{frozen}; lr schedule {sched.name}, warm-up {sched.warmup_steps}"
-                + (f"; grad clip {self.spec.grad_clip}" if self.spec.grad_clip else ""))
+                f"{human_count(self.trainable_params)} trainable{frozen}; lr schedule {sched.name}, "
+                f"warm-up {sched.warmup_steps}")

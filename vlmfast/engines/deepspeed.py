@@ -2,11 +2,11 @@
 
 Usage::
 
-    backend = DeepSpeedBackend(TrainSpec(precision="bf16", deepspeed={"enabled": True}), device, world_size)
-    engine = backend.initialize(model, optimizer)       # the trainer does this when deepspeed.enabled
+    engine = DeepSpeedEngine(TrainSpec(precision="bf16", engine="deepspeed"), world_size)
+    model = engine.setup(model, build_optimizer)         # deepspeed.initialize with vlmfast's optimizer
     for micro_batch in micro_batches:
-        backend.backward(engine(**backend.prepare_inputs(micro_batch)).loss * weight)
-    grad_norm = backend.step()
+        engine.backward(model(**engine.prepare_inputs(micro_batch)).loss * weight)
+    result = engine.step()                                # StepResult(applied, grad_norm)
 
 vlmfast keeps what it owns on the DDP path, so both give the same training: the micro-batch split and the loss
 weighting (DeepSpeed's own division by `gradient_accumulation_steps` is turned off: `scale_wrt_gas=False`), the
@@ -24,18 +24,17 @@ import json
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from accelerate.utils import recursively_apply
 from torch import nn
 
-from vlmfast.distributed.backend import TorchBackend
-from vlmfast.distributed.process_group import ensure_process_group
+from vlmfast.engines.base import Engine, OptimizerFactory, StepResult
+from vlmfast.engines.process_group import ensure_process_group
 from vlmfast.spec import SpecError, TrainSpec
-
-if TYPE_CHECKING:
-    from vlmfast.strategies.optimizer import Optimization
+from vlmfast.strategies.precision import EnginePrecision
+from vlmfast.utils import PRECISION_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -111,44 +110,38 @@ def _refuse_conflict(config: dict[str, Any], key: str, value: Any) -> None:
                         f"spec field {field} and remove it from the DeepSpeed JSON")
 
 
-class DeepSpeedBackend(TorchBackend):
-    """The DeepSpeed engine behind the trainer's backward / step / checkpoint points."""
+class DeepSpeedEngine(Engine):
+    """The DeepSpeed engine behind the loop's backward / step / checkpoint points."""
 
     name = "deepspeed"
-    owns_precision = True  # bf16/fp16 weights with fp32 master copies in the engine
-    sharded_checkpoint = True
+    writes_shards = True  # every rank writes its ZeRO shard
+    can_probe = False
 
-    def __init__(self, spec: TrainSpec, device: torch.device, world_size: int) -> None:
-        super().__init__(spec, device, world_size)
+    def __init__(self, spec: TrainSpec, world_size: int) -> None:
+        super().__init__(EnginePrecision(spec.precision, "DeepSpeed (bf16/fp16 weights, fp32 masters)"), world_size)
+        self.spec = spec
         self.config = build_deepspeed_config(spec, world_size)
         self.engine: Any = None
 
-    def wrap(self, model: nn.Module, optimization: Optimization) -> nn.Module:
-        engine = self.initialize(model, optimization.optimizer)
-        optimization.owns_optimizer_state = False  # in DeepSpeed's shards
-        return engine
-
-    def weights_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return {}  # weights and optimizer states live in DeepSpeed's shards (save_shards)
-
-    def initialize(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        """Wrap `model` and `optimizer` in a DeepSpeed engine (the scheduler stays vlmfast's)."""
+    def setup(self, model: nn.Module, build_optimizer: OptimizerFactory) -> nn.Module:
+        """Wrap `model` and its optimizer in a DeepSpeed engine (the scheduler stays vlmfast's)."""
         try:
             import deepspeed
         except ImportError as exc:
-            raise SpecError("deepspeed.enabled needs DeepSpeed: pip install 'vlmfast[deepspeed]' (on a machine "
+            raise SpecError("engine: deepspeed needs DeepSpeed: pip install 'vlmfast[deepspeed]' (on a machine "
                             "without CUDA: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)") from exc
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown vlmfast's report
         ensure_process_group()
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
+        self.module, self.optimizer = model, build_optimizer(model)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config,
                                                     dist_init_required=False)
         return self.engine
 
     @property
     def dtype(self) -> torch.dtype:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.precision, torch.float32)
+        return PRECISION_DTYPES[self.spec.precision]
 
-    def sync_context(self, model: nn.Module, is_last: bool) -> AbstractContextManager[Any]:
+    def sync_context(self, model: nn.Module, last_micro_batch: bool) -> AbstractContextManager[Any]:
         # The engine owns the reduction (at backward for ZeRO-2/3, at step for ZeRO-0/1); its no_sync would refuse
         # ZeRO-2/3.
         return nullcontext()
@@ -160,26 +153,47 @@ class DeepSpeedBackend(TorchBackend):
         return recursively_apply(lambda t: t.to(self.dtype) if t.is_floating_point() else t, batch)
 
     def backward(self, loss: torch.Tensor) -> None:
-        # The loss is already this micro-batch's weighted share of the step's loss: no division by GAS.
-        self.engine.backward(loss, scale_wrt_gas=False)
+        # The loss is already this micro-batch's share of the global loss: no division by GAS; DeepSpeed averages
+        # over ranks, so the share is multiplied back by the world size (as DDP's).
+        self.engine.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
 
-    def step(self) -> tuple[torch.Tensor | None, bool]:
-        """Reduce (ZeRO-0/1), clip, step and zero the gradients. Returns (gradient norm before clipping, applied)."""
+    def scale_gradients(self, factor: float) -> None:
+        if factor != 1.0:
+            raise SpecError("with engine: deepspeed, loss weights must be known before backward (the engine reduces "
+                            "gradients as they come): let loss_fn return the mean loss and set loss.label_key, or "
+                            "loss.weighting: samples")
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor | None:
+        return None  # DeepSpeed clips inside step() (gradient_clipping in its config) and reports the norm there
+
+    def step(self) -> StepResult:
+        """Reduce (ZeRO-0/1), clip, step and zero the gradients."""
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = None if norm is None else torch.as_tensor(norm, dtype=torch.float32)
-        return norm, bool(self.engine.was_step_applied())
+        return StepResult(bool(self.engine.was_step_applied()), norm)
+
+    def skip_step(self) -> None:
+        # Only reached with fp16 (the spec refuses loss.on_nonfinite: skip otherwise): DeepSpeed's loss scaler sees
+        # the overflow in step() and skips the update itself, backing off its scale.
+        self.engine.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # weights and optimizer states live in DeepSpeed's shards (save_shards)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restored by :meth:`load_shards`."""
 
     def save_shards(self, directory: Path) -> None:
         """Every rank writes its shard into `directory/deepspeed` (a collective: all ranks must call it)."""
         self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
 
     def load_shards(self, directory: Path) -> None:
-        """Restore model, optimizer and precision state from a checkpoint written by :meth:`save`."""
+        """Restore model, optimizer and precision state from a checkpoint written by :meth:`save_shards`."""
         path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"{directory}/{CHECKPOINT_TAG}: no DeepSpeed checkpoint there (was this run "
-                                    "trained with deepspeed.enabled and the same zero_stage?)")
+                                    "trained with engine: deepspeed and the same zero_stage?)")
 
     def describe(self) -> list[str]:
         zero = self.config["zero_optimization"]

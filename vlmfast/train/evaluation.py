@@ -3,7 +3,7 @@
 Usage::
 
     loss = trainer.evaluate(eval_dataset)       # or, in your own loop:
-    loss = evaluate_loss(model, loader, GradientAccumulation(micro_batch_size=8), to_device=lambda b: b)
+    loss = evaluate_loss(model, loader, GradientAccumulation(), to_device=lambda b: b, micro_batch_size=8)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmfast.data.batch import batch_size_of
 from vlmfast.strategies.accumulation import GradientAccumulation
 
 
@@ -27,6 +28,7 @@ def evaluate_loss(
     to_device: Callable[[Any], Any],
     forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     max_batches: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> float:
     """Loss-token-weighted mean loss over `batches`, in eval mode (the model's mode is restored afterwards)."""
     was_training = model.training
@@ -36,7 +38,7 @@ def evaluate_loss(
         for index, batch in enumerate(batches):
             if max_batches is not None and index >= max_batches:
                 break
-            plan = accumulation.plan(batch)
+            plan = accumulation.plan(batch, micro_batch_size or batch_size_of(batch))
             for i, micro_batch in enumerate(plan.micro_batches):
                 with forward_context():
                     share = accumulation.micro_batch_loss(model, to_device(micro_batch), plan, i)

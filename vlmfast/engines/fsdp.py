@@ -10,19 +10,23 @@ Usage::
 torchtitan's recipe: each transformer block is its own FSDP unit (its parameters are gathered just before it runs
 and freed after), the root holds the rest. bf16 is FSDP's `MixedPrecisionPolicy` (bf16 compute, fp32 gradient
 reduction), not autocast on top. Accumulation uses `set_requires_gradient_sync(False)` on non-final micro-batches
-(see `vlmfast.strategies.accumulation.sync_context`).
+(:meth:`FSDPEngine.sync_context`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
+from vlmfast.engines.base import Engine, OptimizerFactory
+from vlmfast.engines.process_group import ensure_process_group
+from vlmfast.module_tree import find_repeated_blocks, matches
 from vlmfast.spec import FSDPSpec, SpecError
-from vlmfast.strategies.checkpointing import find_repeated_blocks
-from vlmfast.strategies.optimizer import matches
+from vlmfast.strategies.precision import EnginePrecision
 
 
 def shard_model(model: nn.Module, spec: FSDPSpec, precision: str) -> nn.Module:
@@ -72,3 +76,42 @@ def load_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, mod
 def describe(model: nn.Module, spec: FSDPSpec, precision: str) -> str:
     mode = "reshard after forward" if spec.reshard_after_forward else "keep gathered until backward"
     return f"fsdp2: {getattr(model, 'fsdp_units', '?')} sharded units ({mode}), {precision} policy"
+
+
+class FSDPEngine(Engine):
+    """FSDP2: parameters, gradients and optimizer states sharded; full state gathered to rank 0 for checkpoints."""
+
+    name = "fsdp"
+    can_probe = False
+
+    def __init__(self, spec: FSDPSpec, precision: str, world_size: int) -> None:
+        super().__init__(EnginePrecision(precision, "FSDP2's MixedPrecisionPolicy"), world_size)
+        self.spec, self.precision_name = spec, precision
+
+    def setup(self, model: nn.Module, build_optimizer: OptimizerFactory) -> nn.Module:
+        ensure_process_group()  # a one-rank group when run without a launcher
+        self.module = shard_model(model, self.spec, self.precision_name)
+        self.optimizer = build_optimizer(self.module)  # after sharding: the optimizer holds the DTensors
+        return self.module
+
+    def sync_context(self, model: nn.Module, last_micro_batch: bool) -> AbstractContextManager[Any]:
+        return nullcontext() if last_micro_batch and not self._local else _no_gradient_sync(model)
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optimizer_state = full_state_dict(self.module, self.optimizer)  # a collective
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_full_state_dict(self.module, self.optimizer, state["model"], state["optimizer"])
+
+    def describe(self) -> list[str]:
+        return [describe(self.module, self.spec, self.precision_name)]
+
+
+@contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vlmfast.module_tree import find_repeated_blocks, matches
 from vlmfast.spec import ActivationCheckpointingSpec
 from vlmfast.strategies.base import Strategy
-from vlmfast.strategies.optimizer import matches
 
 __all__ = [
     "ActivationCheckpointing",
@@ -153,21 +153,6 @@ def _checkpoint_block(block: nn.Module, offload_to_cpu: bool) -> None:
 
 # ----------------------------------------------------------------------------------------------------------------
 # finding blocks
-
-
-def find_repeated_blocks(model: nn.Module) -> dict[str, nn.ModuleList]:
-    """Outermost ``nn.ModuleList``s holding two or more modules of one class (transformer layers), by path.
-
-    Usage: ``find_repeated_blocks(model)`` -> ``{'vision_tower.blocks': ModuleList(...), ...}``
-    """
-    found: dict[str, nn.ModuleList] = {}
-    for name, module in model.named_modules():
-        # Lists inside a found block (MoE experts in a layer) are left alone: nested checkpoints only add recompute.
-        if any(name.startswith(f"{outer}.") for outer in found):
-            continue
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
-            found[name] = module
-    return found
 
 
 def _candidates(model: nn.Module) -> str:

@@ -1,0 +1,387 @@
+"""OptimizedTrainer: the loop. Split the optimizer batch into micro-batches, forward/backward, one optimizer step.
+
+Usage::
+
+    result = OptimizedTrainer(model, dataset, TrainSpec(batch_size=16, micro_batch_size=4), collate_fn=collate).fit()
+    result.history[-1]["loss"], trainer.state.step
+
+The loop owns the order of events (docs/architecture.md); the engine owns backward, gradient sync, precision and
+the optimizer step; each strategy acts at the protocol's named points. The loader yields the whole per-rank
+optimizer batch, so the effective batch never depends on the micro-batch size (Composer's design).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from vlmfast.callbacks import Callback
+from vlmfast.checkpoint import check_resume_compatible
+from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
+from vlmfast.data.loader import ResumableLoader
+from vlmfast.data.packing import build_packing_collator, packed_batch_counts
+from vlmfast.data.prefetch import device_batches
+from vlmfast.engines import build_engine
+from vlmfast.engines.collectives import barrier, broadcast_object, sum_loss_and_flags
+from vlmfast.engines.ddp import ddp_errors_explained
+from vlmfast.engines.process_group import apply_nccl_presets, explain_rank_failure, init_distributed
+from vlmfast.memory.advice import memory_summary, oom_advice
+from vlmfast.memory.monitor import MemoryMonitor
+from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
+from vlmfast.profiling import RunProfiler
+from vlmfast.reporting import MetricsLogger, RunReport
+from vlmfast.spec import TrainSpec, check_environment
+from vlmfast.strategies.accumulation import AccumulationPlan, GradientAccumulation, LossFn
+from vlmfast.strategies.base import Step, Strategy, overrides
+from vlmfast.strategies.oom import build_micro_batching
+from vlmfast.strategies.optimizer import Optimization
+from vlmfast.strategies.registry import BuildContext, build_strategies
+from vlmfast.train.batch_size import BatchSizeSearch, search_micro_batch_size
+from vlmfast.train.evaluation import evaluate_loss
+from vlmfast.train.interrupt import InterruptGuard
+from vlmfast.train.save_resume import needs_final_save, resume_run, save_run
+from vlmfast.train.state import FitResult, TrainState
+from vlmfast.utils import resolve_device, rng_state, seed_everything, set_rng_state
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FitResult", "OptimizedTrainer", "TrainState"]
+
+
+class OptimizedTrainer:
+    """Train `model` on `train_data` as `spec` says. See the module docstring for usage."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: Dataset | DataLoader,
+        spec: TrainSpec | dict[str, Any] | str | Path,
+        loss_fn: LossFn | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        eval_data: Dataset | DataLoader | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        self.spec = spec = TrainSpec.coerce(spec)
+        check_environment(spec)  # fail before any work
+        apply_nccl_presets(spec.ddp.nccl_presets)  # NCCL reads its environment when the group starts
+        env = init_distributed(spec.ddp.timeout_minutes)  # before the device: binds this rank to its GPU
+        self.rank, self.world_size = env.rank, env.world_size
+        self.device = resolve_device(spec.device)
+        seed_everything(spec.seed + self.rank)  # DDP syncs weights from rank 0; dropout should differ
+        self.callbacks = list(callbacks)
+        self.collate_fn, self.eval_data = collate_fn, eval_data
+        self.should_stop = False  # a callback may set it; the run ends after the current step
+        self._interrupt: str | None = None  # a signal received here (set by fit)
+        self._stop_agreed = False  # under several ranks: some rank wants to stop (agreed in the step's all-reduce)
+        self.state = TrainState()
+
+        self.engine = build_engine(spec, self.device, self.world_size)
+        self.accumulation = GradientAccumulation(
+            weighting=spec.loss.weighting, label_key=spec.loss.label_key, ignore_index=spec.loss.ignore_index,
+            shift_labels=spec.loss.shift_labels, loss_fn=loss_fn)
+        self.optimization = Optimization(spec.optimizer, spec.scheduler, spec.max_steps, self.device)
+        self.memory_monitor = self._build_memory_monitor()
+        dump = self.memory_monitor.dump_snapshot if self.memory_monitor and spec.memory.record_history else None
+        self.micro_batching = build_micro_batching(spec.oom, spec.resolved_micro_batch_size,
+                                                   describe_memory=self._describe_memory, on_oom=dump)
+        self.strategies: list[Strategy] = [
+            self.engine.precision, self.accumulation, self.optimization,
+            *build_strategies(spec, BuildContext(self.device, self.world_size)), self.micro_batching]
+        model = model.to(self.device)
+        for strategy in self.strategies:
+            model = strategy.apply(model)
+        self.model = self.engine.setup(model, self.optimization.build)  # last: strategies change the plain model
+        self._contexts = [s for s in self.strategies if overrides(s, "forward_context")]
+        self.state.micro_batch_size = self.micro_batching.micro_batch_size
+        self.timer = RunProfiler(spec.profile, self.model, self.device, precision=spec.precision, tf32=spec.tf32,
+                                 log_dir=spec.log.dir, is_main_process=self.is_main_process,
+                                 keep_steps=spec.log.history_steps)
+        if spec.packing.enabled:  # after apply: accumulation resolved whether the model shifts labels
+            self.collate_fn = build_packing_collator(
+                spec.packing, self.engine.module, collate_fn, shift_labels=bool(self.accumulation.shift_labels),
+                ignore_index=spec.loss.ignore_index)
+        pin = spec.data.pin_memory if spec.data.pin_memory is not None else self.device.type == "cuda"
+        self.loader = device_batches(  # data.device_prefetch: the next batch is copied while this step runs
+            ResumableLoader(train_data, spec.batch_size, spec.data, spec.seed, self.collate_fn,
+                            pin_memory=pin, rank=self.rank, world_size=self.world_size), spec.data, self.device)
+
+    def _build_memory_monitor(self) -> MemoryMonitor | None:
+        """Leak detection, allocator history and the timeline plot, fed by the trainer's memory readings."""
+        memory = self.spec.memory
+        if not (memory.leak_check or memory.record_history or (memory.timeline_plot and self.spec.log.dir)):
+            return None
+        monitor = MemoryMonitor(memory, self.device, self.spec.log.dir, every_steps=self.spec.log.memory_every_steps)
+        self.callbacks.insert(0, monitor)
+        return monitor
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.optimization.scheduler
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def fit(self) -> FitResult:
+        """Train until `max_steps` (resuming first when `save.resume` finds a checkpoint)."""
+        resumed_from = resume_run(self.engine, self.load_state_dict, self.spec.save.resume, self.spec.save.dir)
+        self.model.train()
+        reset_peak_memory(self.device)
+        history: list[dict[str, Any]] = []
+        result = FitResult(history=history, report=None, resumed_from=resumed_from)  # type: ignore[arg-type]
+        metrics_logger = MetricsLogger(self.spec.log, self.spec.max_steps, self.state.step, self.is_main_process)
+        self._fire("on_fit_start")
+        start, first_step, first_loss = time.perf_counter(), self.state.step, None
+        rank_failure = explain_rank_failure(self.world_size, self.spec.ddp.timeout_minutes)  # no silent hang
+        with metrics_logger, InterruptGuard(self.spec.save.on_interrupt) as guard, rank_failure:
+            if resumed_from is not None:
+                metrics_logger.write(f"resumed from {resumed_from} at step {self.state.step}")
+            tick = time.perf_counter()
+            while self.state.step < self.spec.max_steps and not self._should_stop(guard):
+                self.timer.begin_step(self.state.step + 1)
+                with self.timer.phase("data_wait"):
+                    batch = next(self.loader)
+                data_time = time.perf_counter() - tick
+                metrics = self._train_batch(batch)
+                metrics.update(self.timer.end_step())
+                now = time.perf_counter()
+                metrics.update(self._throughput(metrics, step_time=now - tick, data_time=data_time))
+                tick = now
+                history.append(metrics)
+                first_loss = metrics["loss"] if first_loss is None else first_loss
+                _bound(history, self.spec.log.history_steps)
+                metrics_logger.log_step(metrics)
+                self._fire("on_step_end", metrics)
+                self._periodic_eval_and_save(result)
+            interrupted = guard.requested or (self._stop_agreed and not self.should_stop and "a signal on another rank")
+            result.interrupted = interrupted or None
+            if interrupted:
+                metrics_logger.write(f"{interrupted} received: saving a final checkpoint and stopping")
+            result.checkpoint = self._final_save() or result.checkpoint
+            barrier()  # nobody leaves before rank 0's checkpoint is on disk and DDP work is done
+            if self.eval_data is not None and not result.interrupted:
+                result.eval_loss = self._record_eval(result)
+            result.report = self._build_report(history, time.perf_counter() - start)
+            # history may hold only the latest steps (log.history_steps): the run's first loss and step count
+            result.report.steps, result.report.first_loss = self.state.step - first_step, first_loss
+            result.report.extra.update(self.timer.finish(history))
+            if bad := getattr(self.loader, "sample_counts", dict)().get("bad"):
+                result.report.extra["bad samples skipped"] = bad
+            if self.is_main_process:
+                metrics_logger.write(result.report.to_text())
+                self._write_report(result.report)
+        getattr(self.loader, "close", lambda: None)()  # the prefetch thread, if any
+        self._fire("on_fit_end", result)
+        return result
+
+    def train_step(self, batch: Any, micro_batch_size: int) -> tuple[torch.Tensor, AccumulationPlan]:
+        """Forward and backward of one per-rank batch in micro-batches of `micro_batch_size` samples; the gradients
+        sum to the full-batch gradient (each micro-batch weighted by its share of the loss items). Returns this
+        rank's share of the loss (a device tensor) and the plan. The OOM fallback wraps this call."""
+        plan = self.accumulation.plan(batch, micro_batch_size)
+        loss = torch.zeros((), device=self.device)
+        for index, host_micro_batch in enumerate(plan.micro_batches):
+            with self.timer.phase("h2d"):
+                micro_batch = self.engine.prepare_inputs(move_to_device(host_micro_batch, self.device))
+            # Around backward too (DDP / FSDP2 reduce in backward); FLOPs are counted once per batch shape.
+            with self.engine.sync_context(self.model, index == plan.last), self.timer.count_flops(host_micro_batch):
+                with self.forward_context(), self.timer.phase("forward"):
+                    share = self.accumulation.micro_batch_loss(self.model, micro_batch, plan, index)
+                with self.timer.phase("backward"), ddp_errors_explained(self.world_size):
+                    self.engine.backward(share)
+            self.timer.add_flops(host_micro_batch)
+            loss += share.detach().float()
+        return loss, plan
+
+    def optimizer_step(self, loss: torch.Tensor, plan: AccumulationPlan) -> Step:
+        """Every strategy's step points around the engine's update; the step's one host read is `step.read()`."""
+        self.engine.finish_gradients()
+        with self.timer.phase("comm"):
+            loss, stop = sum_loss_and_flags(loss, bool(self.should_stop or self._interrupt))
+        step = Step(self.state.step + 1, self.engine, loss, plan)
+        if stop is not False:
+            step.defer("stop", stop)
+        for strategy in self.strategies:
+            strategy.after_backward(step)
+        step.read()
+        self._stop_agreed = bool(step.values.get("stop", 0.0))
+        if all([strategy.before_step(step) for strategy in self.strategies]):  # a list: every strategy sees it
+            result = self.engine.step()
+            step.applied = result.applied
+            if result.grad_norm is not None:
+                step.values["grad_norm"] = float(result.grad_norm)
+        else:
+            self.engine.skip_step()
+        for strategy in self.strategies:
+            strategy.after_step(step)
+        return step
+
+    def _train_batch(self, batch: Any) -> dict[str, Any]:
+        """One optimizer step on one per-rank batch; returns the step's metrics."""
+        loss, plan = self.micro_batching.run(lambda size: self.train_step(batch, size),
+                                             cleanup=self.engine.discard_gradients)
+        with self.timer.phase("optimizer"):
+            step = self.optimizer_step(loss, plan)
+        self.state.step = step.number
+        self.state.skipped_steps += not step.applied
+        self.state.micro_batch_size = self.micro_batching.micro_batch_size
+        self.state.accumulation_steps = len(plan.micro_batches)
+        samples, tokens = packed_batch_counts(batch) if self.spec.packing.enabled else (
+            batch_size_of(batch), count_input_tokens(batch))  # packed rows hold several samples
+        self.state.samples_seen += samples * self.world_size
+        self.state.tokens_seen += tokens * self.world_size
+        return {"step": step.number, "loss": step.values["loss"], **step.metrics,
+                "micro_batch_size": self.state.micro_batch_size, "accumulation_steps": self.state.accumulation_steps,
+                "samples": samples, "tokens": tokens, "skipped": not step.applied,
+                **({"grad_norm": step.values["grad_norm"]} if "grad_norm" in step.values else {})}
+
+    def _describe_memory(self) -> str:
+        advice = "\n".join(f"  - {line}" for line in oom_advice(self.spec))
+        return f"memory: {memory_summary(self.device)}\ntry, cheapest first:\n{advice}"
+
+    def _should_stop(self, guard: InterruptGuard) -> bool:
+        self._interrupt = guard.requested
+        if self.world_size > 1:  # only what all ranks agreed on at the last step: a local flag would desync them
+            return self._stop_agreed
+        return bool(self.should_stop or guard.requested)
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """Every strategy's forward context (precision's autocast first), entered around each micro-batch."""
+        if len(self._contexts) == 1:
+            return self._contexts[0].forward_context()
+        stack = ExitStack()
+        for strategy in self._contexts:
+            stack.enter_context(strategy.forward_context())
+        return stack
+
+    # ---- batch-size search and evaluation ------------------------------------------------------------------
+    def find_micro_batch_size(self, safety_margin: float = 0.9) -> BatchSizeSearch:
+        """Largest micro-batch (up to batch_size) whose forward+backward+step fits; all state restored afterwards."""
+        return search_micro_batch_size(
+            self.train_step, next(self.loader), engine=self.engine, model=self.model, loader=self.loader,
+            max_size=self.spec.batch_size, device=self.device, safety_margin=safety_margin)
+
+    def evaluate(self, data: Dataset | DataLoader | None = None) -> float:
+        """Loss-token-weighted mean loss over `data` (default: eval_data), in eval mode."""
+        data = data if data is not None else self.eval_data
+        if data is None:
+            raise ValueError("evaluate() needs eval_data (pass it to OptimizedTrainer or to evaluate)")
+        loader = data if isinstance(data, DataLoader) else DataLoader(
+            data, batch_size=self.spec.batch_size, shuffle=False, collate_fn=self.collate_fn)
+        return evaluate_loss(self.model, loader, self.accumulation, forward_context=self.forward_context,
+                             to_device=lambda b: self.engine.prepare_inputs(move_to_device(b, self.device)),
+                             max_batches=self.spec.eval.max_batches,
+                             micro_batch_size=self.micro_batching.micro_batch_size)
+
+    def _record_eval(self, result: FitResult) -> float:
+        """The held-out loss, and one more per strategy that evaluates other weights (EMA: `eval_loss_ema`)."""
+        metrics = {"step": self.state.step, "eval_loss": self.evaluate()}
+        for strategy in self.strategies:
+            for name, context in strategy.eval_contexts().items():
+                with context:
+                    metrics[f"eval_loss_{name}"] = self.evaluate()
+        result.eval_history.append(metrics)
+        self._fire("on_eval", metrics)
+        return metrics["eval_loss"]
+
+    def _periodic_eval_and_save(self, result: FitResult) -> None:
+        every_eval = self.spec.eval.every_steps
+        if self.eval_data is not None and every_eval and self.state.step % every_eval == 0:
+            result.eval_loss = self._record_eval(result)
+        every_save = self.spec.save.every_steps
+        if every_save and self.state.step % every_save == 0 and self.state.step < self.spec.max_steps:
+            result.checkpoint = self.save()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: engine (model, optimizer), strategies, data position, counters,
+        RNG, spec. Every rank calls it (an engine may gather with a collective)."""
+        return {
+            "engine": self.engine.state_dict(),
+            "strategies": {s.name: s.state_dict() for s in self.strategies},
+            "loader": self.loader.state_dict(),
+            "trainer": self.state.state_dict(),
+            "rng": rng_state(),
+            "spec": self.spec.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (refuses a checkpoint of a different run: see checkpoint.REFUSED_ON_RESUME)."""
+        check_resume_compatible(state["spec"], self.spec.to_dict())
+        self.engine.load_state_dict(state["engine"])
+        for strategy in self.strategies:
+            strategy.load_state_dict(state["strategies"].get(strategy.name, {}))
+        self.loader.load_state_dict(state["loader"])
+        self.state.load_state_dict(state["trainer"])
+        self.state.micro_batch_size = self.micro_batching.micro_batch_size  # the sizer restored its own
+        set_rng_state(state["rng"])
+
+    def save(self, directory: str | Path | None = None) -> Path:
+        """Write a checkpoint now (atomic; all ranks call it, rank 0 writes) and return its path."""
+        path = save_run(self.engine, self.state_dict, directory or self.spec.save.dir or "checkpoints",
+                        self.state.step, self.spec.save.keep_last, meta={"samples_seen": self.state.samples_seen})
+        if self.is_main_process:
+            self._fire("on_save", path)
+        return path
+
+    def _final_save(self) -> Path | None:
+        """The end-of-run checkpoint, unless the last periodic save already wrote this step (rank 0 decides)."""
+        if self.spec.save.dir is None or self.state.step == 0:
+            return None
+        due = broadcast_object(needs_final_save(self.spec.save.dir, self.state.step))
+        return self.save() if due else None
+
+    # ---- reporting ------------------------------------------------------------------------------------------
+    def _throughput(self, metrics: dict[str, Any], step_time: float, data_time: float) -> dict[str, Any]:
+        out = {"step_time": step_time, "data_time": data_time,
+               "samples_per_s": metrics["samples"] * self.world_size / step_time,
+               "tokens_per_s": metrics["tokens"] * self.world_size / step_time}
+        if self.state.step % self.spec.log.memory_every_steps == 0 or self.state.step == 1:
+            out.update(memory_stats(self.device))
+        return out
+
+    def _build_report(self, history: list[dict[str, Any]], wall_time: float) -> RunReport:
+        return RunReport.from_history(
+            history, wall_time, world_size=self.world_size, peak_memory_gb=peak_memory_gb(self.device),
+            device=self.device.type, skipped_steps=self.state.skipped_steps,
+            # strategies[0] is the engine's precision plugin: the engine's own lines describe it
+            strategies=[*self.engine.describe(), *filter(None, (s.describe() for s in self.strategies[1:])),
+                        *self._describe_data()],
+        )
+
+    def _describe_data(self) -> list[str]:
+        """Report lines for the data-side switches, which are not strategies (they act in the loader)."""
+        packing, grouping = self.spec.packing, self.spec.data.group_by_length
+        lines = [f"packing: rows of {packing.max_tokens} tokens ({packing.algorithm})"] if packing.enabled else []
+        return lines + ([f"data: grouped by {grouping.replace('_', ' ')}"] if grouping != "none" else [])
+
+    def _write_report(self, report: RunReport) -> None:
+        if self.spec.log.dir is not None:
+            report.write_json(Path(self.spec.log.dir) / "report.json")
+
+    def _fire(self, event: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            hook = getattr(callback, event, None)
+            if hook is not None:
+                hook(self, *args)
+
+
+def _bound(history: list[dict[str, Any]], keep: int) -> None:
+    """Drop the oldest metrics beyond `keep` (in chunks: amortised O(1) per step)."""
+    if len(history) > keep + max(keep // 4, 1):
+        del history[: len(history) - keep]
+
+

@@ -1,0 +1,70 @@
+"""Saving and resuming a run across ranks and engines (the file format is vlmfast.checkpoint's).
+
+Engines that write shards (DeepSpeed) write every rank's part into rank 0's staging folder first; rank 0 adds the
+trainer state and renames the folder into place, so a checkpoint is complete or absent. On resume rank 0 decides
+which checkpoint, so every rank continues from the same step. Nothing here asks which engine it has.
+
+Usage::
+
+    path = save_run(engine, trainer.state_dict, directory, step=10, keep_last=3)   # what trainer.save() does
+    resumed_from = resume_run(engine, trainer.load_state_dict, resume="auto", directory="ckpt")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, resume_path, save_checkpoint, staging_dir
+from vlmfast.engines.base import Engine
+from vlmfast.engines.collectives import barrier, broadcast_object, world_size
+from vlmfast.spec import SpecError
+
+
+def save_run(engine: Engine, state_dict: Callable[[], dict[str, Any]], directory: str | Path, step: int,
+             keep_last: int | None, meta: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint (all ranks call it; rank 0 writes the file) and return its path."""
+    directory = Path(directory)
+    rank0 = _rank() == 0
+    path, staged = directory / f"step_{step:08d}", None
+    if engine.writes_shards:  # every rank writes its shard into rank 0's staging folder first
+        staged = staging_dir(directory, step, world_size())
+        engine.save_shards(staged)
+        barrier()
+    state = state_dict()  # on every rank: an engine may gather the full state with a collective
+    if rank0:
+        path = save_checkpoint(directory, step, state, keep_last, meta=meta, staged=staged)
+    return path
+
+
+def needs_final_save(directory: str | Path | None, step: int) -> bool:
+    """Whether a final checkpoint is due: a folder is set, a step was run, and it is not on disk already."""
+    if directory is None or step == 0:
+        return False
+    latest = latest_checkpoint(directory)
+    return not (latest and latest.name == f"step_{step:08d}")
+
+
+def resume_run(engine: Engine, load_state_dict: Callable[[dict[str, Any]], None], resume: str | Path,
+               directory: str | Path | None) -> Path | None:
+    """Restore the checkpoint `resume` names (rank 0 decides for all); returns its path, or None."""
+    path = resume_path(resume, directory) if _rank() == 0 else None
+    path = broadcast_object(path)
+    if path is None:
+        return None
+    try:  # on CPU: load_state_dict copies weights and optimizer state to their device; RNG states stay on CPU
+        engine.load_shards(path)
+        load_state_dict(load_checkpoint(path, map_location="cpu"))
+    except SpecError:
+        raise
+    except Exception as exc:
+        raise SpecError(f"save.resume: cannot resume from {path}: {type(exc).__name__}: {exc}. Is it a vlmfast "
+                        "checkpoint of this model? Use save.resume: never to start afresh") from exc
+    return path
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
