@@ -14,7 +14,7 @@ from torch import nn
 
 from vlmfast.models import build_tiny_vlm_task
 from vlmfast.spec import ActivationCheckpointingSpec, TrainSpec
-from vlmfast.strategies import checkpointing
+from vlmfast.strategies import activation_checkpointing as checkpointing
 from vlmfast.strategies.activation_checkpointing import (
     ActivationCheckpointing,
     apply_activation_checkpointing,

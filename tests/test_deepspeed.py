@@ -51,7 +51,7 @@ def base_spec(**overrides) -> dict:
 
 @pytest.mark.timeout(240)
 def test_zero2_gives_the_same_training_as_one_process_with_the_global_batch(tmp_path):
-    ranks = run_two_ranks(tmp_path, "z2", base_spec(deepspeed={"enabled": True, "zero_stage": 2}, grad_clip=1.0))
+    ranks = run_two_ranks(tmp_path, "z2", base_spec(engine="deepspeed", deepspeed={"zero_stage": 2}, grad_clip=1.0))
     torch.manual_seed(0)
     single = OptimizedTrainer(TinyCausalLM(), TokenDataset(64),
                               TrainSpec(**base_spec(batch_size=8, micro_batch_size=4, grad_clip=1.0)))
@@ -68,7 +68,7 @@ def test_zero2_gives_the_same_training_as_one_process_with_the_global_batch(tmp_
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_trains_the_tiny_vlm_in_bf16_and_resumes_exactly(tmp_path, stage):
     common = dict(max_steps=8, batch_size=8, micro_batch_size=4, precision="bf16",
-                  optimizer={"lr": 3e-3}, deepspeed={"enabled": True, "zero_stage": stage})
+                  optimizer={"lr": 3e-3}, engine="deepspeed", deepspeed={"zero_stage": stage})
     full = run_two_ranks(tmp_path, "full", base_spec(**common, save={"dir": str(tmp_path / "a"), "every_steps": 4}),
                          kind="vlm")
     losses = full[0]["losses"]
@@ -92,7 +92,7 @@ def test_config_comes_from_the_spec_and_merges_the_users_json(tmp_path):
     user.write_text(json.dumps({"zero_optimization": {"stage": 1, "round_robin_gradients": True},
                                 "bf16": {"enabled": "auto"}, "wall_clock_breakdown": True}))
     spec = TrainSpec(batch_size=8, micro_batch_size=2, precision="bf16", grad_clip=0.5,
-                     deepspeed={"enabled": True, "zero_stage": 3, "offload_optimizer": "cpu", "config": str(user)})
+                     engine="deepspeed", deepspeed={"zero_stage": 3, "offload_optimizer": "cpu", "config": str(user)})
     config = build_deepspeed_config(spec, world_size=4)
     assert config["zero_optimization"]["stage"] == 3  # the spec's field wins over the JSON
     assert config["zero_optimization"]["round_robin_gradients"] is True  # the JSON's own keys stay
@@ -104,26 +104,26 @@ def test_config_comes_from_the_spec_and_merges_the_users_json(tmp_path):
 
 
 def test_conflicts_and_unsupported_combinations_fail_before_any_work(tmp_path):
-    conflicting = TrainSpec(precision="bf16", deepspeed={"enabled": True, "config": {"fp16": {"enabled": True}}})
+    conflicting = TrainSpec(precision="bf16", engine="deepspeed", deepspeed={"config": {"fp16": {"enabled": True}}})
     with pytest.raises(SpecError, match="fp16"):
         build_deepspeed_config(conflicting, world_size=1)
     with pytest.raises(SpecError, match="optimizer"):
-        build_deepspeed_config(TrainSpec(deepspeed={"enabled": True, "config": {"optimizer": {"type": "Adam"}}}), 1)
+        build_deepspeed_config(TrainSpec(engine="deepspeed", deepspeed={"config": {"optimizer": {"type": "Adam"}}}), 1)
     for bad, message in [({"oom": {"enabled": True}}, "oom.enabled"),
                          ({"ddp": {"comm_hook": "fp16"}}, "comm_hook"),
                          ({"loss": {"on_nonfinite": "skip"}}, "on_nonfinite"),
-                         ({"deepspeed": {"enabled": True, "offload_param": "cpu"}}, "zero_stage 3"),
-                         ({"deepspeed": {"enabled": True, "config": str(tmp_path / "missing.json")}}, "not found")]:
+                         ({"engine": "deepspeed", "deepspeed": {"offload_param": "cpu"}}, "zero_stage 3"),
+                         ({"engine": "deepspeed", "deepspeed": {"config": str(tmp_path / "missing.json")}}, "not found")]:
         with pytest.raises(ValueError, match=message):
-            TrainSpec(**{"deepspeed": {"enabled": True}, **bad})
+            TrainSpec(**{"engine": "deepspeed", **bad})
 
 
 def _single_process(rank: int, out: str) -> None:
-    # No launcher environment at all: `vlmfast train --set deepspeed.enabled=true` on one GPU (or CPU).
+    # No launcher environment at all: `vlmfast train --set engine=deepspeed` on one GPU (or CPU).
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), TrainSpec(**base_spec(
-        batch_size=8, micro_batch_size=4, deepspeed={"enabled": True, "zero_stage": 2})))
+        batch_size=8, micro_batch_size=4, engine="deepspeed", deepspeed={"zero_stage": 2})))
     torch.save([m["loss"] for m in trainer.fit().history], out)
 
 

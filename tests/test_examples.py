@@ -150,7 +150,7 @@ def test_hf_llava_merges_a_config_into_its_settings(monkeypatch: pytest.MonkeyPa
     trainer = train_hf_llava(module, monkeypatch, steps=2, config=zero2, lr=1e-3)
     spec = trainer.spec
     assert spec.optimizer.lr == 1e-3 and spec.optimizer.freeze == ["vision_tower"]  # the flag, the example's
-    assert spec.optimizer.weight_decay == 0.01 and spec.deepspeed.enabled and spec.precision == "bf16"  # the YAML's
+    assert spec.optimizer.weight_decay == 0.01 and spec.engine == "deepspeed" and spec.precision == "bf16"  # the YAML's
     assert spec.scheduler.warmup_steps == 0 and spec.max_steps == 2
     vision = [p for name, p in trainer.model.named_parameters() if "vision_tower" in name]
     assert vision and not any(p.requires_grad for p in vision)

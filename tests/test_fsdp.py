@@ -41,7 +41,7 @@ def base_spec(**overrides) -> dict:
 
 @pytest.mark.timeout(240)
 def test_fsdp_gives_the_same_training_as_one_process_with_the_global_batch(tmp_path):
-    ranks = run_two_ranks(tmp_path, "fsdp", base_spec(fsdp={"enabled": True, "blocks": ["mix", "head"],
+    ranks = run_two_ranks(tmp_path, "fsdp", base_spec(engine="fsdp", fsdp={"blocks": ["mix", "head"],
                                                                       "reshard_after_forward": False}))
     torch.manual_seed(0)
     single = OptimizedTrainer(TinyCausalLM(), TokenDataset(64), TrainSpec(**base_spec(batch_size=8,
@@ -59,7 +59,7 @@ def test_fsdp_gives_the_same_training_as_one_process_with_the_global_batch(tmp_p
 @pytest.mark.timeout(300)
 def test_fsdp_trains_the_tiny_vlm_in_bf16_and_resumes_exactly(tmp_path):
     common = dict(max_steps=8, batch_size=8, micro_batch_size=4, precision="bf16", optimizer={"lr": 3e-3},
-                  fsdp={"enabled": True})
+                  engine="fsdp")
     full = run_two_ranks(tmp_path, "full", base_spec(**common, save={"dir": str(tmp_path / "a"), "every_steps": 4}),
                          kind="vlm")
     losses = full[0]["losses"]

@@ -62,7 +62,7 @@ def test_fallback_settles_at_the_size_that_fits_and_matches_a_run_started_there(
     reference, _ = fit(spec(4))
     assert trainer.state.micro_batch_size == 4 and trainer.state.accumulation_steps == 4
     assert [m["micro_batch_size"] for m in result.history] == [4] * 8
-    assert [(e["from"], e["to"]) for e in trainer.oom.events] == [(16, 8), (8, 4)]
+    assert [(e["from"], e["to"]) for e in trainer.micro_batching.events] == [(16, 8), (8, 4)]
     for name, value in params(reference.model).items():
         torch.testing.assert_close(params(trainer.model)[name], value, rtol=1e-6, atol=1e-6)
     assert "oom fallback: micro_batch_size 16 -> 4" in result.report.to_text()
@@ -70,9 +70,9 @@ def test_fallback_settles_at_the_size_that_fits_and_matches_a_run_started_there(
 
 def test_grows_back_after_clean_steps_and_backs_off_when_growing_fails():
     trainer, result = fit(spec(16, max_steps=12, oom={"enabled": True, "grow_after_steps": 3}), limit=8)
-    moves = [(e["from"], e["to"]) for e in trainer.oom.events]
+    moves = [(e["from"], e["to"]) for e in trainer.micro_batching.events]
     assert moves == [(16, 8), (8, 16), (16, 8), (8, 16), (16, 8)]  # grows after 3 clean steps, then after 6
-    assert trainer.oom.grow_after == 12  # doubled after each failed grow
+    assert trainer.micro_batching.grow_after == 12  # doubled after each failed grow
     assert all(m["micro_batch_size"] == 8 for m in result.history)
 
 
@@ -195,7 +195,7 @@ def test_a_real_cuda_oom_is_survived():
                                oom={"enabled": True}, log={"progress": "off"})
         trainer = OptimizedTrainer(model, data, train_spec, loss_fn=loss_fn)
         trainer.fit()
-        assert trainer.state.micro_batch_size < 64 and trainer.oom.events
+        assert trainer.state.micro_batch_size < 64 and trainer.micro_batching.events
         assert torch.cuda.memory_stats()["num_ooms"] >= 1  # the allocator really failed, nothing simulated
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

@@ -94,7 +94,7 @@ def test_eval_every_steps_and_max_batches():
         max_steps=4, batch_size=8, eval={"every_steps": 2, "max_batches": 1}, log={"progress": "off"}),
         eval_data=TokenDataset(32, seed=3))
     original = trainer.accumulation.plan
-    trainer.accumulation.plan = lambda batch: calls.append(batch["input_ids"].shape[0]) or original(batch)
+    trainer.accumulation.plan = lambda batch, size: calls.append(batch["input_ids"].shape[0]) or original(batch, size)
     result = trainer.fit()
     assert [m["step"] for m in result.eval_history] == [2, 4, 4]  # every 2 steps, and once at the end
     assert len(calls) == 4 + 3  # 4 training batches + one eval batch per evaluation (max_batches 1)

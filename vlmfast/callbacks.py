@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vlmfast.train.loop import FitResult, OptimizedTrainer
+    from vlmfast.train.state import FitResult
+
+OptimizedTrainer = Any  # the trainer (vlmfast.OptimizedTrainer) that calls the hooks: not imported, it imports these
 
 
 class Callback:

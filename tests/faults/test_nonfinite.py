@@ -127,10 +127,10 @@ def test_grad_scaler_skip_step_logic_on_cpu():
     even under loss.on_nonfinite: stop, because overflow is the scaler's normal business."""
     snapshots = Snapshots()
     trainer = OptimizedTrainer(NonFiniteAt(3, "grad"), TokenDataset(64), make_spec(**ONE_PASS), callbacks=[snapshots])
-    trainer.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    trainer.engine.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
     result = trainer.fit()
     assert [m["skipped"] for m in result.history] == [False, False, True] + [False] * 9
-    assert trainer.precision.scaler.get_scale() == 2.0**9
+    assert trainer.engine.precision.scaler.get_scale() == 2.0**9
     assert_same(snapshots.params[2], snapshots.params[3])
     assert trainer.state.step == 12 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
@@ -141,9 +141,9 @@ def test_fp16_grad_scaler_skips_an_overflowing_step_on_cuda():
     snapshots = Snapshots()
     spec = make_spec(**ONE_PASS, precision="fp16", device="cuda")
     trainer = OptimizedTrainer(NonFiniteAt(3, "grad"), TokenDataset(64), spec, callbacks=[snapshots])
-    scale = trainer.precision.scaler.get_scale()
+    scale = trainer.engine.precision.scaler.get_scale()
     result = trainer.fit()
     assert result.history[2]["skipped"] and not any(m["skipped"] for m in result.history[3:])
-    assert trainer.precision.scaler.get_scale() <= scale / 2  # backed off at step 3 (grows every 2000)
+    assert trainer.engine.precision.scaler.get_scale() <= scale / 2  # backed off at step 3 (grows every 2000)
     assert_same(snapshots.params[2], snapshots.params[3])
     assert trainer.state.step == 12 and all(torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -42,7 +42,7 @@ def _oom_worker(limits: list[tuple[int, str, list[int]]], micro_batch_size: int,
     counts = [s.count for s in states]
     return {
         "params": params_of(trainer.model),
-        "moves": [(e["from"], e["to"]) for e in trainer.oom.events],
+        "moves": [(e["from"], e["to"]) for e in trainer.micro_batching.events],
         "ooms": counts,
         "mbs": [m["micro_batch_size"] for m in result.history],
     }

@@ -68,8 +68,8 @@ def test_precision_and_schedule_length_may_change_with_a_warning_saying_what_cha
 @pytest.mark.parametrize(
     ("field", "old", "new"),
     [
-        ("deepspeed.enabled", True, False),
-        ("fsdp.enabled", False, True),
+        ("engine", "deepspeed", "ddp"),
+        ("engine", "ddp", "fsdp"),
         ("deepspeed.zero_stage", 2, 3),
         ("data.group_by_length", "none", "length"),
         ("optimizer.param_groups", [], [{"modules": ["head"]}]),

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlmfast.callbacks import Callback
+from vlmfast.callbacks import Callback, OptimizedTrainer
 from vlmfast.memory.leaks import LeakDetector, LeakWarning, TensorKind, live_tensor_census, tensor_growth
 from vlmfast.memory.stats import GB, memory_stats
 from vlmfast.spec import MemorySpec
 
 if TYPE_CHECKING:
-    from vlmfast.train.loop import FitResult, OptimizedTrainer
+    from vlmfast.train.state import FitResult
 
 log = logging.getLogger(__name__)
 

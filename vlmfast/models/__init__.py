@@ -10,10 +10,9 @@ from vlmfast.models.shapes import (
     ShapesCaptionDataset,
     ShapesTokenizer,
     VLMCollator,
-    build_tiny_vlm_task,
     text_only_baseline_loss,
 )
-from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig, VLMOutput, causal_lm_loss
+from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig, VLMOutput, build_tiny_vlm_task, causal_lm_loss
 
 __all__ = [
     "ShapesCaptionDataset",

@@ -19,15 +19,12 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
-
-if TYPE_CHECKING:
-    from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig
 
 __all__ = [
     "COLORS",
@@ -37,7 +34,6 @@ __all__ = [
     "ShapesCaptionDataset",
     "ShapesTokenizer",
     "VLMCollator",
-    "build_tiny_vlm_task",
     "render_scene",
     "sample_scene",
     "text_only_baseline_loss",
@@ -322,25 +318,3 @@ def text_only_baseline_loss(dataset: ShapesCaptionDataset, num_samples: int | No
         total_nll += scene.text_nll
         total_tokens += len(dataset.tokenizer.encode(scene.caption())) - 1
     return total_nll / total_tokens
-
-
-def build_tiny_vlm_task(
-    seed: int = 0, num_samples: int = 4096, config: TinyVLMConfig | None = None
-) -> tuple[TinyVLM, ShapesCaptionDataset, VLMCollator]:
-    """Model, dataset and collator that fit together (vocab size, image size), seeded for reproducibility.
-
-    Usage: ``model, dataset, collator = build_tiny_vlm_task(seed=0, num_samples=4096)``
-    """
-    # Imported here because tiny_vlm imports this module for its default vocabulary size.
-    from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig
-
-    config = config or TinyVLMConfig()
-    dataset = ShapesCaptionDataset(num_samples=num_samples, seed=seed)
-    if config.vocab_size < dataset.tokenizer.vocab_size:
-        raise ValueError(f"vocab_size {config.vocab_size} < tokenizer's {dataset.tokenizer.vocab_size}")
-    collator = VLMCollator(image_size=config.image_size, pad_id=dataset.tokenizer.pad_id)
-    # Seed a local generator state for init, then restore the caller's global RNG.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = TinyVLM(config)
-    return model, dataset, collator

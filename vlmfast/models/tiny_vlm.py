@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from vlmfast.attention.dispatch import ScaledDotProductAttention
 from vlmfast.attention.documents import PackedDocuments
 from vlmfast.data.packing import IMAGE_PLACEHOLDER_ID  # where packed rows put a sample's image tokens
-from vlmfast.models.shapes import ShapesTokenizer
+from vlmfast.models.shapes import ShapesCaptionDataset, ShapesTokenizer, VLMCollator
 
 __all__ = [
     "IMAGE_PLACEHOLDER_ID",
@@ -45,6 +45,7 @@ __all__ = [
     "VLMOutput",
     "VisionBlock",
     "VisionTower",
+    "build_tiny_vlm_task",
     "causal_lm_loss",
 ]
 
@@ -366,3 +367,22 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
     elif isinstance(module, VisionTower):
         nn.init.normal_(module.pos_embed, std=0.02)
+
+
+def build_tiny_vlm_task(
+    seed: int = 0, num_samples: int = 4096, config: TinyVLMConfig | None = None
+) -> tuple[TinyVLM, ShapesCaptionDataset, VLMCollator]:
+    """Model, dataset and collator that fit together (vocab size, image size), seeded for reproducibility.
+
+    Usage: ``model, dataset, collator = build_tiny_vlm_task(seed=0, num_samples=4096)``
+    """
+    config = config or TinyVLMConfig()
+    dataset = ShapesCaptionDataset(num_samples=num_samples, seed=seed)
+    if config.vocab_size < dataset.tokenizer.vocab_size:
+        raise ValueError(f"vocab_size {config.vocab_size} < tokenizer's {dataset.tokenizer.vocab_size}")
+    collator = VLMCollator(image_size=config.image_size, pad_id=dataset.tokenizer.pad_id)
+    # Seed a local generator state for init, then restore the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TinyVLM(config)
+    return model, dataset, collator

@@ -154,7 +154,7 @@ class GradientAccumulation(Strategy):
         self.shift_labels = shift_labels
         self.loss_fn = loss_fn
         self.passes_num_items = False
-        self.last_split = (0, 0)  # (micro-batches, size) of the last plan: for the report
+        self.last_split = (0, 0, 0)  # (micro-batches, size, last one's size) of the last plan: for the report
         self.resolved_weighting = weighting
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -179,7 +179,7 @@ class GradientAccumulation(Strategy):
         padding = count - len(micro_batches)
         micro_batches += [micro_batches[-1]] * padding
         items += [0] * padding
-        self.last_split = (count, micro_batch_size)
+        self.last_split = (count, micro_batch_size, batch_size_of(micro_batches[-1 - padding]))
         # With a loss_fn that reports its own counts, those are the truth: correct after backward if they differ.
         exact = known and self.loss_fn is None
         return AccumulationPlan(micro_batches, weighting, items, max(divisor, 1.0), exact, padding)
@@ -239,8 +239,8 @@ class GradientAccumulation(Strategy):
             step.scale_gradients(factor)
 
     def describe(self) -> str:
-        count, size = self.last_split
-        split = f"{count} micro-batch(es) of up to {size}"
+        count, size, last = self.last_split
+        split = f"{count} micro-batch(es) of {size}" + (f" (the last of {last})" if last != size else "")
         how = {"tokens": "weighted by loss tokens", "samples": "weighted by samples"}.get(
             self.resolved_weighting, f"weighting {self.resolved_weighting}")
         extra = ", num_items_in_batch passed to the model" if self.passes_num_items else ""

@@ -85,4 +85,6 @@ class NonFiniteGuard(Strategy):
         self.consecutive = state.get("consecutive", 0)
 
     def describe(self) -> str:
-        return f"non-finite steps: {self.policy.on_nonfinite}"
+        if self.policy.on_nonfinite == "stop":
+            return ""  # the default: nothing to report unless it fires (then the run stops with the reason)
+        return f"non-finite steps: skipped (at most {self.policy.max_consecutive_skips} in a row)"
