@@ -176,6 +176,18 @@ CHANGES_TRAINING_ON_RESUME = ("max_steps", "precision", "grad_clip", "loss.weigh
                               "loss.ignore_index", "loss.label_key", "packing.enabled", "packing.max_tokens")
 
 
+def check_same_world_size(saved: int, current: int) -> None:
+    """Refuse a resume on another number of ranks: `batch_size` is per rank, so the global batch, the data shards
+    and the per-rank generators would all change silently."""
+    from vlmfast.spec import SpecError
+
+    if saved != current:
+        raise SpecError(
+            f"save.resume: the checkpoint was written by {saved} rank(s), this run has {current}: batch_size counts "
+            f"samples per rank, so the global batch ({saved} x batch_size) and the data position would change. Resume "
+            f"on {saved} rank(s), or start afresh (save.resume: never) with batch_size chosen for {current} rank(s)")
+
+
 class _Absent:
     """A spec field that the checkpoint's vlmfast version did not have yet."""
 

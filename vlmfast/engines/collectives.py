@@ -128,6 +128,15 @@ def broadcast_object(value: object, src: int = 0) -> object:
     return shared[0]
 
 
+def gather_objects(value: object) -> list[object]:
+    """Every rank's `value`, in rank order, on every rank (per-rank RNG states for a checkpoint)."""
+    if world_size() == 1:
+        return [value]
+    gathered: list[object] = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def barrier() -> None:
     """Wait for every rank (a no-op in one process)."""
     if world_size() > 1:

@@ -24,13 +24,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from vlmfast.callbacks import Callback
-from vlmfast.checkpoint import check_resume_compatible
+from vlmfast.checkpoint import check_resume_compatible, check_same_world_size
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
 from vlmfast.data.prefetch import device_batches
 from vlmfast.engines import build_engine
-from vlmfast.engines.collectives import barrier, broadcast_object, sum_loss_and_flags
+from vlmfast.engines.collectives import barrier, broadcast_object, gather_objects, sum_loss_and_flags
 from vlmfast.engines.ddp import ddp_errors_explained
 from vlmfast.engines.process_group import apply_nccl_presets, explain_rank_failure, init_distributed
 from vlmfast.memory.advice import memory_summary, oom_advice
@@ -313,21 +313,23 @@ class OptimizedTrainer:
             "engine": self.engine.state_dict(),
             "strategies": {s.name: s.state_dict() for s in self.strategies},
             "loader": self.loader.state_dict(),
-            "trainer": self.state.state_dict(),
-            "rng": rng_state(),
+            "trainer": {**self.state.state_dict(), "world_size": self.world_size},
+            "rng": gather_objects(rng_state()),  # every rank's generators: dropout differs per rank
             "spec": self.spec.to_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (refuses a checkpoint of a different run: see checkpoint.REFUSED_ON_RESUME)."""
         check_resume_compatible(state["spec"], self.spec.to_dict())
-        self.engine.load_state_dict(state["engine"])
+        check_same_world_size(state["trainer"].get("world_size", 1), self.world_size)
+        self.engine.load_state_dict(state["engine"] if "engine" in state else _engine_state_of_v01(state))
         for strategy in self.strategies:
             strategy.load_state_dict(state["strategies"].get(strategy.name, {}))
         self.loader.load_state_dict(state["loader"])
         self.state.load_state_dict(state["trainer"])
         self.state.micro_batch_size = self.micro_batching.micro_batch_size  # the sizer restored its own
-        set_rng_state(state["rng"])
+        rng = state["rng"]
+        set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)  # 0.1 saved rank 0's only
 
     def save(self, directory: str | Path | None = None) -> Path:
         """Write a checkpoint now (atomic; all ranks call it, rank 0 writes) and return its path."""
@@ -385,3 +387,9 @@ def _bound(history: list[dict[str, Any]], keep: int) -> None:
         del history[: len(history) - keep]
 
 
+def _engine_state_of_v01(state: dict[str, Any]) -> dict[str, Any]:
+    """The engine's part of a checkpoint written by vlmfast 0.1 (model and optimizer at the top level)."""
+    old = {key: state[key] for key in ("model", "optimizer") if key in state}
+    old["optimizer"] = old.get("optimizer") or state["strategies"].get("optimizer", {}).get("optimizer")
+    old["precision"] = state["strategies"].get("precision", {})
+    return {key: value for key, value in old.items() if value is not None}
