@@ -6,7 +6,8 @@ import json
 
 import yaml
 
-from vlmfast.cli import build_spec, main
+from vlmfast.cli import main
+from vlmfast.cli_jobs import build_spec
 from vlmfast.spec import TrainSpec
 
 

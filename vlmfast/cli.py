@@ -17,25 +17,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import yaml
 
-# The built-in demo: enough steps on CPU for the loss to drop well below what a text-only model can reach.
-DEMO_SPEC: dict[str, Any] = {
-    "max_steps": 600,
-    "batch_size": 16,
-    "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
-    "scheduler": {"name": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1},
-    "grad_clip": 1.0,
-    "log": {"progress": "auto"},
-}
-DEFAULT_TASK = "vlmfast.models:build_tiny_vlm_task"
+from vlmfast.cli_jobs import DEFAULT_TASK, add_job_arguments, build_spec, load_task
+
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,12 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model (default: the built-in tiny VLM on generated data)")
-    _add_job_arguments(train)
+    add_job_arguments(train)
     train.set_defaults(run=_cmd_train)
 
     finder = sub.add_parser("find-batch-size", help="binary-search the largest micro-batch that fits (forward, "
                             "backward and optimizer step), state restored afterwards")
-    _add_job_arguments(finder)
+    add_job_arguments(finder)
     finder.add_argument("--margin", type=float, default=0.9, help="safety margin (fraction of device memory)")
     finder.set_defaults(run=_cmd_find_batch_size)
 
@@ -86,15 +77,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="spec file (.yaml/.yml/.json); default: the built-in demo spec")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec field, dotted for sections, e.g. --set optimizer.lr=3e-4")
-    parser.add_argument("--task", default=DEFAULT_TASK,
-                        help="module:function returning (model, train_dataset, collate_fn); default: the tiny VLM")
-    parser.add_argument("--samples", type=int, default=4096, help="generated samples for the built-in task")
-
-
 def _cmd_spec(args: argparse.Namespace) -> int:
     from vlmfast.spec import TrainSpec, defaults_yaml
 
@@ -109,53 +91,13 @@ def _cmd_spec(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_spec(config: str | None, overrides: list[str]) -> Any:
-    """The spec from a file (or the demo spec) with --set overrides applied; validated before any work."""
-    from pydantic import ValidationError
-
-    from vlmfast.spec import SpecError, TrainSpec, format_validation_error
-
-    data = TrainSpec.from_file(config).to_dict() if config else json.loads(json.dumps(DEMO_SPEC))
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. --set precision=bf16")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
-    try:
-        return TrainSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(f"invalid spec\n{format_validation_error(exc)}") from exc
-
-
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    from vlmfast.spec import SpecError
-
-    *parents, leaf = dotted.split(".")
-    for depth, part in enumerate(parents):
-        data = data.setdefault(part, {})
-        if not isinstance(data, dict):
-            where = ".".join(parents[: depth + 1])
-            raise SpecError(f"--set {dotted}: '{where}' is a value, not a section; use --set {where}=VALUE")
-    data[leaf] = value
-
-
-def _load_task(target: str) -> Callable[..., Any]:
-    module_name, _, attr = target.partition(":")
-    if not attr:
-        raise ValueError(f"--task {target!r}: expected module:function, e.g. {DEFAULT_TASK}")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--task {target!r}: cannot load it ({exc}); is the module on PYTHONPATH?") from exc
-
-
 def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:
     """The trainer for the job the arguments name, and the text-only baseline for the built-in task."""
     spec = build_spec(args.config, args.set)  # fails here, before the model or data are built
     from vlmfast.train.loop import OptimizedTrainer
 
     builtin = args.task == DEFAULT_TASK
-    task = _load_task(args.task)
+    task = load_task(args.task)
     model, dataset, collate = task(seed=spec.seed, num_samples=args.samples) if builtin else task()
     eval_data, baseline = _builtin_eval(spec.seed) if builtin else (None, None)
     return OptimizedTrainer(model, dataset, spec, collate_fn=collate, eval_data=eval_data), baseline

@@ -2,6 +2,7 @@
 
 Usage::
 
+    from vlmfast.memory.known_models import estimate_from_hf_config
     est = estimate_from_hf_config("llava-1.5-7b", micro_batch_size=4, gpu_memory_gb=24)   # no download: meta device
     print(est.to_table())
     print(est.cheapest_fixes())     # ['micro_batch_size: 1 ...', 'activation_checkpointing.enabled: true', ...]
@@ -10,8 +11,10 @@ Usage::
 
 Memory per GPU = model states (weights, gradients, optimizer states; per component, sharded by ZeRO) + activations
 (measured: the bytes autograd saves for backward during one small probe forward pass, scaled to the micro-batch).
-This module holds the core: options, results, components, bytes per parameter and the estimate itself. The rest:
+This module holds the core: results, components and the estimate itself. The rest:
 
+- ``vlmfast.memory.options``: ``EstimateOptions`` and bytes per parameter (``optimizer_state_bytes``, re-exported
+  here);
 - ``vlmfast.memory.zero``: DeepSpeed's ZeRO formulas and how each stage shards the model states;
 - ``vlmfast.memory.activations``: measuring what autograd saves, the built-in probes, checkpointing;
 - ``vlmfast.memory.fixes``: the cheapest spec changes that make an estimate fit;
@@ -47,10 +50,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,36 +66,31 @@ from vlmfast.memory.activations import (
     default_activation_probe,
     measure_saved_activations,
 )
-from vlmfast.memory.fixes import FixPlan, _plan_fixes
+from vlmfast.memory.fixes import FixPlan, plan_fixes
+from vlmfast.memory.options import (
+    EstimateOptions,
+    OptimizerName,
+    Precision,
+    StateBytes,
+    optimizer_state_bytes,
+)
 from vlmfast.memory.zero import DS_BUFFER_FACTOR, _largest_layer_params, _shard
 from vlmfast.module_tree import matches
 from vlmfast.utils import PRECISION_DTYPES
 
-if TYPE_CHECKING:  # re-exported lazily by __getattr__ below: known_models imports this module
-    from vlmfast.memory.known_models import KNOWN_CONFIGS, estimate_from_hf_config
-
 __all__ = [
-    "KNOWN_CONFIGS",
     "ComponentMemory",
     "EstimateOptions",
     "MemoryEstimate",
     "assign_components",
     "component_of",
-    "estimate_from_hf_config",
     "estimate_memory",
     "optimizer_state_bytes",
 ]
 
-_REEXPORTS = {"KNOWN_CONFIGS", "estimate_from_hf_config"}
-
 GB = 1024**3
 HEADROOM = 0.10  # CUDA context, allocator fragmentation, backward temporaries; the guide alerts at 90% too
 PROBE_BATCH_SIZES = (1, 2)
-
-Precision = Literal["fp32", "bf16", "fp16"]
-OptimizerName = Literal["adamw", "adam", "sgd", "sgd_momentum", "adafactor", "adamw_8bit"]
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd_momentum", "adafactor", "adamw_8bit")
-CHECKPOINT_SCOPES = ("all", "language_model", "vision")
 
 # Component names by module-path segment; the projector is looked for first (Qwen2-VL's merger sits inside
 # `visual`), then the vision tower; everything else is the language model (embeddings, layers, norm, lm_head).
@@ -105,59 +102,6 @@ COMPONENT_ORDER = ("vision_tower", "projector", "language_model")
 
 # ----------------------------------------------------------------------------------------------------------------
 # options and results
-
-
-@dataclass(frozen=True)
-class EstimateOptions:
-    """Everything about the run that changes its memory (usage: ``EstimateOptions(zero_stage=2, world_size=8)``)."""
-
-    precision: Precision = "bf16"
-    optimizer: OptimizerName = "adamw"
-    micro_batch_size: int = 1
-    seq_len: int | None = None
-    world_size: int = 1
-    zero_stage: int = 0
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    activation_checkpointing: bool | str = False  # True = "all"; or "language_model" / "vision"
-    frozen: tuple[str, ...] = ()
-    master_weights: bool = True  # mixed precision keeps fp32 master weights; False: the guide's all-16-bit count
-    gpus_per_node: int | None = None  # host memory is per node; default min(world_size, 8)
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.precision in PRECISION_DTYPES,
-             f"precision must be one of {sorted(PRECISION_DTYPES)}, got {self.precision!r}"),
-            (self.optimizer in OPTIMIZERS, f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}"),
-            (self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}"),
-            (self.seq_len is None or self.seq_len >= 2, f"seq_len must be >= 2, got {self.seq_len}"),
-            (self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}"),
-            (self.zero_stage in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}"),
-            (not self.offload_optimizer or self.zero_stage >= 1, "offload_optimizer needs zero_stage 1, 2 or 3"),
-            (not self.offload_params or self.zero_stage == 3, "offload_params needs zero_stage 3"),
-            (self.checkpoint_scope is None or self.checkpoint_scope in CHECKPOINT_SCOPES,
-             f"activation_checkpointing must be a bool or one of {CHECKPOINT_SCOPES}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-    @property
-    def checkpoint_scope(self) -> str | None:
-        """The checkpointed tower ('all', 'language_model', 'vision'), or None without checkpointing."""
-        if self.activation_checkpointing is True:
-            return "all"
-        return self.activation_checkpointing or None
-
-    @property
-    def mixed(self) -> bool:
-        """16-bit weights and gradients."""
-        return self.precision != "fp32"
-
-    @property
-    def ranks_per_node(self) -> int:
-        """Processes sharing one host's memory."""
-        return self.gpus_per_node or min(self.world_size, 8)
 
 
 @dataclass(frozen=True)
@@ -244,9 +188,9 @@ class MemoryEstimate:
             changes["frozen"] = tuple(changes["frozen"])
         return self._reestimate(dataclasses.replace(self.options, **changes))
 
-    def plan_fixes(self, gpu_memory_gb: float | None = None) -> FixPlan:
+    def plan_fixes(self, gpu_memory_gb: float | None = None) -> FixPlan[MemoryEstimate]:
         """Spec changes in the reference guide's priority order, applied cumulatively until the estimate fits."""
-        return _plan_fixes(self, self._gpu_gb(gpu_memory_gb))
+        return plan_fixes(self, self._gpu_gb(gpu_memory_gb))
 
     def cheapest_fixes(self, gpu_memory_gb: float | None = None) -> list[str]:
         """The spec changes of ``plan_fixes``; empty if it fits already. Ends with a warning line if even they fail."""
@@ -311,52 +255,6 @@ def assign_components(
         groups.setdefault(component_of(name, components)[0], []).append((name, param))
     order = list(components) if components is not None else list(COMPONENT_ORDER)
     return dict(sorted(groups.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
-
-
-def optimizer_state_bytes(shape: torch.Size | Sequence[int], optimizer: str, state_bytes: int = 4) -> int:
-    """Bytes of one parameter's optimizer states (fp32 master weights not included).
-
-    Usage: ``optimizer_state_bytes((4096, 4096), "adafactor")`` -> 32768 (a row and a column vector)
-    """
-    numel = math.prod(shape)
-    if optimizer in ("adamw", "adam"):
-        return 2 * numel * state_bytes
-    if optimizer == "sgd":
-        return 0
-    if optimizer == "sgd_momentum":
-        return numel * state_bytes
-    if optimizer == "adamw_8bit":
-        # bitsandbytes keeps small tensors (< 4096 elements, its min_8bit_size) in 32 bits.
-        return 2 * numel if numel >= 4096 else 8 * numel
-    if optimizer == "adafactor":
-        if len(shape) < 2:
-            return numel * state_bytes
-        rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
-        return (rows + cols) * state_bytes
-    raise ValueError(f"unknown optimizer {optimizer!r}; one of {list(OPTIMIZERS)}")
-
-
-@dataclass
-class _StateBytes:
-    """Unsharded bytes of a group of parameters, by kind (w, g, f, o in ``vlmfast.memory.zero``'s docstring)."""
-
-    weights: int = 0
-    grads: int = 0
-    grad_partition: int = 0  # DeepSpeed's fp32 gradient partition (mixed precision, ZeRO >= 1)
-    master: int = 0
-    states: int = 0
-
-    def add_param(self, shape: torch.Size, trainable: bool, opts: EstimateOptions) -> None:
-        numel = math.prod(shape)
-        unit = 2 if opts.mixed else 4
-        self.weights += unit * numel
-        if not trainable:
-            return
-        self.grads += unit * numel
-        keeps_master = opts.mixed and opts.master_weights
-        self.master += 4 * numel if keeps_master else 0
-        self.grad_partition += 4 * numel if keeps_master and opts.zero_stage >= 1 else 0
-        self.states += optimizer_state_bytes(shape, opts.optimizer, 4 if keeps_master or not opts.mixed else 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -443,7 +341,7 @@ def _estimate(ctx: _Context, opts: EstimateOptions) -> MemoryEstimate:
     frozen = _frozen_names(ctx, opts)
     rows, host = [], 0
     for comp, params in ctx.groups.items():
-        unsharded = _StateBytes()
+        unsharded = StateBytes()
         for name, param in params:
             unsharded.add_param(param.shape, name not in frozen, opts)
         weights, grads, optim, offloaded = _shard(unsharded, opts)
@@ -612,16 +510,3 @@ def _format_table(est: MemoryEstimate) -> str:
         lines.append(f"GPU {est.gpu_memory_gb:g} GiB: {verdict} ({_gib(est.gpu_bytes)} GiB needed, "
                      f"{_gib(est.usable_bytes())} GiB usable with {HEADROOM:.0%} headroom)")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# re-exports
-
-
-def __getattr__(name: str) -> Any:
-    """``KNOWN_CONFIGS`` and ``estimate_from_hf_config`` from ``vlmfast.memory.known_models``, imported on first use."""
-    if name in _REEXPORTS:
-        from vlmfast.memory import known_models
-
-        return getattr(known_models, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

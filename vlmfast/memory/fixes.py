@@ -9,14 +9,13 @@ only if it saves memory, until the estimate fits; then the largest micro-batch t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from vlmfast.memory.estimator import MemoryEstimate
+from vlmfast.memory.options import EstimateOptions
 
-__all__ = ["FIX_STEPS", "SPEC_KEYS", "FixPlan"]
+__all__ = ["FIX_STEPS", "SPEC_KEYS", "Estimate", "FixPlan", "plan_fixes"]
 
 # The spec fields the fixes name; deepspeed.* is not in TrainSpec yet (DESIGN.md lists the section).
 SPEC_KEYS = {
@@ -30,34 +29,66 @@ SPEC_KEYS = {
 }
 
 
+class _Component(Protocol):
+    """What a fix reads of one component row (``vlmfast.memory.estimator.ComponentMemory``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def trainable(self) -> int: ...
+    @property
+    def roots(self) -> tuple[str, ...]: ...
+
+
+E = TypeVar("E", bound="Estimate")
+
+
+class Estimate(Protocol):
+    """What planning needs of an estimate; ``vlmfast.memory.estimator.MemoryEstimate`` is one.
+
+    A protocol, not an import of the estimator: the estimator calls the planner, the planner never imports it.
+    Usage: ``def plan(est: Estimate) -> ...``
+    """
+
+    options: EstimateOptions
+    gpu_memory_gb: float | None
+
+    @property
+    def components(self) -> Sequence[_Component]: ...
+    @property
+    def gpu_bytes(self) -> int: ...
+    def fits(self, gpu_memory_gb: float | None = None, headroom: float = ...) -> bool: ...
+    def reestimate(self: E, **changes: Any) -> E: ...
+
+
 @dataclass
-class FixPlan:
+class FixPlan(Generic[E]):
     """The cheapest cumulative spec changes and the estimate with all of them applied.
 
     Usage: ``plan = est.plan_fixes(24); plan.changes, plan.estimate.fits(24)``
     """
 
     changes: list[str]
-    estimate: MemoryEstimate
+    estimate: E
     fits: bool
 
 
-_Step = Callable[["MemoryEstimate"], tuple[str, dict[str, Any]] | None]
+_Step = Callable[[Estimate], tuple[str, dict[str, Any]] | None]
 
 
-def _fix_checkpointing(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+def _fix_checkpointing(est: Estimate) -> tuple[str, dict[str, Any]] | None:
     if est.options.checkpoint_scope is not None:
         return None
     return f"{SPEC_KEYS['checkpointing']}: true", {"activation_checkpointing": True}
 
 
-def _fix_precision(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+def _fix_precision(est: Estimate) -> tuple[str, dict[str, Any]] | None:
     if est.options.precision != "fp32":
         return None
     return f"{SPEC_KEYS['precision']}: bf16", {"precision": "bf16"}
 
 
-def _fix_freeze_vision(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+def _fix_freeze_vision(est: Estimate) -> tuple[str, dict[str, Any]] | None:
     vision = next((c for c in est.components if c.name == "vision_tower" and c.trainable), None)
     if vision is None:
         return None
@@ -66,7 +97,7 @@ def _fix_freeze_vision(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None
 
 
 def _fix_zero(stage: int) -> _Step:
-    def step(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+    def step(est: Estimate) -> tuple[str, dict[str, Any]] | None:
         n = est.options.world_size
         if est.options.zero_stage >= stage or n == 1:  # on one GPU sharding saves nothing
             return None
@@ -75,7 +106,7 @@ def _fix_zero(stage: int) -> _Step:
     return step
 
 
-def _fix_offload_optimizer(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+def _fix_offload_optimizer(est: Estimate) -> tuple[str, dict[str, Any]] | None:
     if est.options.offload_optimizer:
         return None
     stage = max(est.options.zero_stage, 2)
@@ -85,7 +116,7 @@ def _fix_offload_optimizer(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | 
     return text, {"zero_stage": stage, "offload_optimizer": True}
 
 
-def _fix_offload_params(est: MemoryEstimate) -> tuple[str, dict[str, Any]] | None:
+def _fix_offload_params(est: Estimate) -> tuple[str, dict[str, Any]] | None:
     if est.options.offload_params:
         return None
     text = f"{SPEC_KEYS['offload_params']}: cpu (weights in host RAM, gathered layer by layer)"
@@ -101,7 +132,7 @@ FIX_STEPS: tuple[_Step, ...] = (
 )
 
 
-def _largest_fitting_mbs(est: MemoryEstimate, gpu_gb: float, upper: int) -> tuple[int, MemoryEstimate]:
+def _largest_fitting_mbs(est: E, gpu_gb: float, upper: int) -> tuple[int, E]:
     """The largest micro-batch in upper, upper/2, ..., 1 that fits, or 1 with its estimate."""
     size = upper
     while True:
@@ -111,7 +142,11 @@ def _largest_fitting_mbs(est: MemoryEstimate, gpu_gb: float, upper: int) -> tupl
         size = max(size // 2, 1)
 
 
-def _plan_fixes(est: MemoryEstimate, gpu_gb: float) -> FixPlan:
+def plan_fixes(est: E, gpu_gb: float) -> FixPlan[E]:
+    """Spec changes in the reference guide's priority order, applied cumulatively until ``est`` fits ``gpu_gb``.
+
+    Usage: ``plan_fixes(est, 24).changes`` (what ``MemoryEstimate.plan_fixes(24)`` calls)
+    """
     if est.fits(gpu_gb):
         return FixPlan([], est, True)
     original = est.options.micro_batch_size

@@ -22,12 +22,11 @@ for loading the model without ``zero_init`` (its ``max(4 * gpus, 16)``), which i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from vlmfast.memory.estimator import EstimateOptions, _StateBytes
+from vlmfast.memory.options import EstimateOptions, StateBytes
 
 __all__ = ["DS_BUFFER_FACTOR", "ZeroStates", "zero2_model_states_bytes", "zero3_model_states_bytes"]
 
@@ -94,7 +93,7 @@ def zero3_model_states_bytes(
 # the estimate's sharding
 
 
-def _shard(b: _StateBytes, opts: EstimateOptions) -> tuple[int, int, int, int]:
+def _shard(b: StateBytes, opts: EstimateOptions) -> tuple[int, int, int, int]:
     """(weights, grads, optimizer, host) bytes per GPU for one component under the ZeRO stage and offload."""
     n, stage = opts.world_size, opts.zero_stage
     optim = b.master + b.states

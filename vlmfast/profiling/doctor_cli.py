@@ -19,16 +19,16 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
+from vlmfast.cli_jobs import DEFAULT_TASK, add_job_arguments, build_spec, load_task
+
 __all__ = ["add_doctor_command", "run_doctor"]
 
 
 def add_doctor_command(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `doctor` sub-command to the `vlmfast` parser."""
-    from vlmfast.cli import _add_job_arguments
-
     doctor = subparsers.add_parser(
         "doctor", help="profile a few steps of the job and print what is slow, ranked, with the spec change to try")
-    _add_job_arguments(doctor)
+    add_job_arguments(doctor)
     doctor.add_argument("--steps", type=int, default=20, help="optimizer steps to profile (default 20)")
     doctor.add_argument("--apply", action="store_true",
                         help="then re-run with each suggested change alone and report its measured gain")
@@ -39,10 +39,8 @@ def add_doctor_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from vlmfast.cli import DEFAULT_TASK, _load_task, build_spec
-
     spec = build_spec(args.config, args.set)  # fails here, before any model or data is built
-    task = _load_task(args.task)
+    task = load_task(args.task)
     builtin = args.task == DEFAULT_TASK
 
     def build_job() -> tuple[Any, Any, Any]:
