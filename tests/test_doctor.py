@@ -118,7 +118,7 @@ def test_attention_and_host_sync_rules_use_trace_and_sync_counts() -> None:
 def test_spec_changes_are_validated_and_errors_name_the_field() -> None:
     assert with_changes(SPEC, {"data.num_workers": 2}).data.num_workers == 2
     with pytest.raises(ValueError, match="micro_batch_size"):
-        with_changes(SPEC, {"micro_batch_size": 3})
+        with_changes(SPEC, {"micro_batch_size": 5})  # larger than batch_size 4
     with pytest.raises(ValueError, match="no timed steps"):
         diagnose(Evidence(samples=[], spec=SPEC))
     with pytest.raises(ValueError, match="--steps"):

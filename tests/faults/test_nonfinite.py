@@ -87,7 +87,7 @@ def test_nonfinite_loss_stops_naming_the_step_before_any_update_and_the_last_che
     newest = latest_checkpoint(tmp_path)
     saved = load_checkpoint(newest)
     assert saved["trainer"]["step"] == 4
-    assert_same(snapshots.params[4], saved["model"])
+    assert_same(snapshots.params[4], saved["engine"]["model"])
     _, unbroken = train(make_spec(**ONE_PASS), seeded(0, kind))
     _, resumed = train(spec, seeded(0, kind))  # same save.dir: resumes from the newest checkpoint
     assert resumed.resumed_from == newest

@@ -23,18 +23,17 @@ from vlmfast.utils import rng_state, set_rng_state
 __all__ = ["BatchSizeSearch", "search_micro_batch_size"]
 
 
-def search_micro_batch_size(train_step: Callable[[Any, int], Any], batch: Any, *, engine: Any, model: nn.Module,
-                            loader: Any, max_size: int, device: torch.device,
-                            safety_margin: float = 0.9) -> BatchSizeSearch:
-    """Largest n <= `max_size` whose `train_step(batch[:n], n)` plus an optimizer step fits; state restored after.
-
-    `loader` has already yielded `batch`; its position is rewound. Gradients stay local during the probes
-    (`engine.local_gradients()`), so ranks only meet in the search's own agreement.
+def search_micro_batch_size(train_step: Callable[[Any, int], Any], *, engine: Any, model: nn.Module, loader: Any,
+                            max_size: int, device: torch.device, safety_margin: float = 0.9) -> BatchSizeSearch:
+    """Largest n <= `max_size` whose `train_step(batch[:n], n)` plus an optimizer step fits, on the loader's next
+    batch; model, optimizer, RNG and the loader's position are restored after. Gradients stay local during the
+    probes (`engine.local_gradients()`), so ranks only meet in the search's own agreement.
     """
     if not engine.can_probe:
         raise SpecError("find_micro_batch_size probes with engine: ddp (the per-rank activation memory is the same "
                         "under FSDP2 / DeepSpeed): run it with engine: ddp")
     snapshot = _host_snapshot(engine, loader)
+    batch = next(loader)
     was_training = model.training
     model.train()
 

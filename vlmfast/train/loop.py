@@ -271,7 +271,7 @@ class OptimizedTrainer:
     def find_micro_batch_size(self, safety_margin: float = 0.9) -> BatchSizeSearch:
         """Largest micro-batch (up to batch_size) whose forward+backward+step fits; all state restored afterwards."""
         return search_micro_batch_size(
-            self.train_step, next(self.loader), engine=self.engine, model=self.model, loader=self.loader,
+            self.train_step, engine=self.engine, model=self.model, loader=self.loader,
             max_size=self.spec.batch_size, device=self.device, safety_margin=safety_margin)
 
     def evaluate(self, data: Dataset | DataLoader | None = None) -> float:
