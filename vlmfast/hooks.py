@@ -65,6 +65,7 @@ from vlmfast.strategies.activation_checkpointing import (
 )
 from vlmfast.strategies.clipping import clip_gradients
 from vlmfast.strategies.compile import CompileResult, compile_model
+from vlmfast.strategies.ema import ExponentialMovingAverage, update_ema
 from vlmfast.strategies.oom import OOMFallback, free_memory, is_oom_error, set_expandable_segments
 from vlmfast.strategies.optimizer import (
     build_optimizer,
@@ -81,6 +82,7 @@ __all__ = [
     "BatchImagePreprocessor",
     "CompileResult",
     "DevicePrefetcher",
+    "ExponentialMovingAverage",
     "FlopsMeter",
     "InterruptGuard",
     "LengthGroupedSampler",
@@ -149,6 +151,7 @@ __all__ = [
     "sync_context",
     "timed_comm_hook",
     "trace_attention_kernels",
+    "update_ema",
     "use_attention_backend",
     "wrap_ddp",
     "write_shards",

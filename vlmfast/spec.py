@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from vlmfast.sections import Section, SpecError, set_root
+from vlmfast.strategies.ema import EMASpec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu|hpu|npu)(:\d+)?")
@@ -458,6 +459,7 @@ class TrainSpec(Section):
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec)
     compile: CompileSpec = Field(default_factory=CompileSpec)
+    ema: EMASpec = Field(default_factory=EMASpec)
     data: DataSpec = Field(default_factory=DataSpec)
     packing: PackingSpec = Field(default_factory=PackingSpec)
     save: SaveSpec = Field(default_factory=SaveSpec)

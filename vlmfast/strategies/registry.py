@@ -21,6 +21,7 @@ from vlmfast.strategies.attention import AttentionBackend
 from vlmfast.strategies.base import Strategy
 from vlmfast.strategies.clipping import GradientClipping
 from vlmfast.strategies.compile import TorchCompile
+from vlmfast.strategies.ema import EMA
 from vlmfast.strategies.nonfinite import NonFiniteGuard
 
 
@@ -54,6 +55,10 @@ def _compile(spec: Any, ctx: BuildContext) -> Strategy | None:
     return TorchCompile(spec.compile) if spec.compile.enabled else None
 
 
+def _ema(spec: Any, ctx: BuildContext) -> Strategy | None:
+    return EMA(spec.ema) if spec.ema.enabled else None
+
+
 # In order: `apply` runs top to bottom, and so does every step point (clipping after the loss corrections).
 OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
     _attention,
@@ -61,6 +66,7 @@ OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
     _clipping,
     _nonfinite,
     _compile,
+    _ema,
 ]
 
 
