@@ -112,8 +112,8 @@ def test_conflicts_and_unsupported_combinations_fail_before_any_work(tmp_path):
     for bad, message in [({"oom": {"enabled": True}}, "oom.enabled"),
                          ({"ddp": {"comm_hook": "fp16"}}, "comm_hook"),
                          ({"loss": {"on_nonfinite": "skip"}}, "on_nonfinite"),
-                         ({"engine": "deepspeed", "deepspeed": {"offload_param": "cpu"}}, "zero_stage 3"),
-                         ({"engine": "deepspeed", "deepspeed": {"config": str(tmp_path / "missing.json")}}, "not found")]:
+                         ({"deepspeed": {"offload_param": "cpu"}}, "zero_stage 3"),
+                         ({"deepspeed": {"config": str(tmp_path / "missing.json")}}, "not found")]:
         with pytest.raises(ValueError, match=message):
             TrainSpec(**{"engine": "deepspeed", **bad})
 

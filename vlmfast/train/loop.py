@@ -197,10 +197,11 @@ class OptimizedTrainer:
             with self.timer.phase("h2d"):
                 micro_batch = self.engine.prepare_inputs(move_to_device(host_micro_batch, self.device))
             # Around backward too (DDP / FSDP2 reduce in backward); FLOPs are counted once per batch shape.
-            with self.engine.sync_context(self.model, index == plan.last), self.timer.count_flops(host_micro_batch):
+            with ddp_errors_explained(self.world_size), self.engine.sync_context(self.model, index == plan.last), \
+                    self.timer.count_flops(host_micro_batch):
                 with self.forward_context(), self.timer.phase("forward"):
                     share = self.accumulation.micro_batch_loss(self.model, micro_batch, plan, index)
-                with self.timer.phase("backward"), ddp_errors_explained(self.world_size):
+                with self.timer.phase("backward"):
                     self.engine.backward(share)
             self.timer.add_flops(host_micro_batch)
             loss += share.detach().float()
