@@ -75,11 +75,12 @@ def _group_label(names: list[str], decay: bool) -> str:
     return f"{shown} ({'decay' if decay else 'no decay'})"
 
 
-def _kernel_kwargs(implementation: str, device: torch.device) -> dict[str, bool]:
+def _kernel_kwargs(implementation: str, device: torch.device, sharded: bool = False) -> dict[str, bool]:
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     if implementation == "auto":
-        implementation = "fused" if device.type in _get_fused_kernels_supported_devices() else "foreach"
+        fused = device.type in _get_fused_kernels_supported_devices() and not sharded
+        implementation = "fused" if fused else "foreach"
     return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
 
 
@@ -90,8 +91,10 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec, device: torch.device)
         return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                  **_kernel_kwargs(spec.implementation, device))
     if spec.name == "sgd":
+        # FSDP2's DTensor has no sharding rule for the fused SGD kernel (aten._fused_sgd_, torch 2.13): foreach.
+        sharded = any(type(p).__name__ == "DTensor" for group in groups for p in group["params"])
         return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum,
-                               **_kernel_kwargs(spec.implementation, device))
+                               **_kernel_kwargs(spec.implementation, device, sharded))
     if not hasattr(torch.optim, "Adafactor"):
         raise ValueError(f"optimizer.name 'adafactor' needs torch >= 2.5 (this is {torch.__version__})")
     return torch.optim.Adafactor(groups, lr=spec.lr)
