@@ -65,6 +65,11 @@ from vlmfast.strategies.activation_checkpointing import (
 )
 from vlmfast.strategies.clipping import clip_gradients
 from vlmfast.strategies.compile import CompileResult, compile_model
+from vlmfast.strategies.linear_cross_entropy import (
+    apply_linear_cross_entropy,
+    linear_cross_entropy,
+    shift_targets,
+)
 from vlmfast.strategies.oom import OOMFallback, free_memory, is_oom_error, set_expandable_segments
 from vlmfast.strategies.optimizer import (
     build_optimizer,
@@ -96,6 +101,7 @@ __all__ = [
     "accumulate_gradients",
     "all_reduce_gradients",
     "apply_activation_checkpointing",
+    "apply_linear_cross_entropy",
     "autocast_context",
     "autotune_num_workers",
     "build_deepspeed_config",
@@ -121,6 +127,7 @@ __all__ = [
     "init_distributed",
     "is_oom_error",
     "latest_checkpoint",
+    "linear_cross_entropy",
     "load_checkpoint",
     "load_full_state_dict",
     "lr_multiplier",
@@ -145,6 +152,7 @@ __all__ = [
     "set_attention_backend",
     "set_expandable_segments",
     "shard_model",
+    "shift_targets",
     "split_batch",
     "sync_context",
     "timed_comm_hook",
