@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from vlmfast.sections import Section, SpecError, set_root
+from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropySpec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu|hpu|npu)(:\d+)?")
@@ -450,6 +451,7 @@ class TrainSpec(Section):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     loss: LossSpec = Field(default_factory=LossSpec)
+    linear_cross_entropy: LinearCrossEntropySpec = Field(default_factory=LinearCrossEntropySpec)
     activation_checkpointing: ActivationCheckpointingSpec = Field(default_factory=ActivationCheckpointingSpec)
     attention: AttentionSpec = Field(default_factory=AttentionSpec)
     oom: OOMSpec = Field(default_factory=OOMSpec)

@@ -21,6 +21,7 @@ from vlmfast.strategies.attention import AttentionBackend
 from vlmfast.strategies.base import Strategy
 from vlmfast.strategies.clipping import GradientClipping
 from vlmfast.strategies.compile import TorchCompile
+from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropy
 from vlmfast.strategies.nonfinite import NonFiniteGuard
 
 
@@ -41,6 +42,11 @@ def _activation_checkpointing(spec: Any, ctx: BuildContext) -> Strategy | None:
     return ActivationCheckpointing(spec.activation_checkpointing) if spec.activation_checkpointing.enabled else None
 
 
+def _linear_cross_entropy(spec: Any, ctx: BuildContext) -> Strategy | None:
+    # Before compile (it traces the replaced forward); after checkpointing (independent of it).
+    return LinearCrossEntropy(spec.linear_cross_entropy) if spec.linear_cross_entropy.enabled else None
+
+
 def _clipping(spec: Any, ctx: BuildContext) -> Strategy | None:
     return GradientClipping(spec.grad_clip) if spec.grad_clip else None
 
@@ -58,6 +64,7 @@ def _compile(spec: Any, ctx: BuildContext) -> Strategy | None:
 OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
     _attention,
     _activation_checkpointing,
+    _linear_cross_entropy,
     _clipping,
     _nonfinite,
     _compile,
