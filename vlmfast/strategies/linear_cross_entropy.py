@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 Impl = Literal["auto", "torch", "liger", "cce"]
-DEFAULT_CHUNK_BYTES = 64 * 2**20  # fp32 logits per chunk: big enough for an efficient matmul, small next to the rest
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk: few passes over the head weight, small next to the rest
 VERIFY_POSITIONS = 4  # positions whose logits are compared with the model's own, once
 
 
@@ -77,7 +77,7 @@ class LinearCrossEntropySpec(Section):
     enabled: bool = Field(False, description="compute the language head and the loss in chunks of tokens (the model's "
                           "forward then returns the loss without logits); gradients equal the standard loss")
     chunk_tokens: int | None = Field(
-        None, ge=1, description="tokens per chunk; default: as many as keep a chunk's fp32 logits under 64 MiB")
+        None, ge=1, description="tokens per chunk; default: as many as keep a chunk's fp32 logits under 256 MiB")
     impl: Impl = Field("auto", description="torch: pure PyTorch, any device; liger / cce: the fused CUDA kernels of "
                        "liger_kernel / cut_cross_entropy (must be installed); auto: cce, then liger on CUDA when "
                        "installed, else torch")
@@ -177,17 +177,48 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class _ChunkLogits:
+    """One reused ``[chunk, vocab]`` buffer for the logits of every chunk.
+
+    Reused, not reallocated: a fresh buffer of this size is a fresh mmap on CPU (a page fault per 4 KiB, every chunk)
+    and a fresh block for the CUDA caching allocator to find.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, transform: HeadTransform, dtype: torch.dtype,
+                 rows: int) -> None:
+        self.weight, self.bias, self.transform, self.dtype = weight, bias, transform, dtype
+        self.buffer = torch.empty(rows, weight.shape[0], dtype=dtype, device=weight.device)
+
+    def raw(self, hidden: Tensor) -> Tensor:
+        """``hidden @ W.T (+ b)``, times the model's logit scale, in the compute dtype: the matmul in the head's
+        dtype as the model's head runs it, then upcast as Hugging Face's loss upcasts."""
+        out = self.buffer[: hidden.shape[0]]
+        if hidden.dtype == self.dtype and self.weight.dtype == self.dtype:
+            if self.bias is None:
+                torch.mm(hidden, self.weight.t(), out=out)
+            else:
+                torch.addmm(self.bias.to(self.dtype), hidden, self.weight.t(), out=out)
+        else:
+            out.copy_(F.linear(hidden, self.weight, self.bias))
+        if self.transform.scale != 1.0:
+            out.mul_(self.transform.scale)
+        return out
+
+    def capped(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(the logits the loss sees, tanh(raw / softcap) or None); the first is the buffer unless soft-capped."""
+        out = self.raw(hidden)
+        cap = self.transform.softcap
+        if cap is None:
+            return out, None
+        tanh = out.div_(cap).tanh_()
+        return tanh * cap, tanh
+
+
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, transform: HeadTransform,
                   dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-    """(logits as the loss sees them, tanh of the capped logits or None); the matmul in the weight's dtype, as the
-    model's head runs it, then upcast as Hugging Face's loss upcasts."""
-    logits = F.linear(hidden, weight, bias).to(dtype)
-    if transform.scale != 1.0:
-        logits.mul_(transform.scale)
-    if transform.softcap is None:
-        return logits, None
-    tanh = logits.div_(transform.softcap).tanh_()
-    return tanh * transform.softcap, tanh
+    """(logits as the loss sees them, tanh of the capped logits or None) of a few rows, in a buffer of their own."""
+    return _ChunkLogits(weight, bias, transform, dtype, hidden.reshape(-1, hidden.shape[-1]).shape[0]).capped(
+        hidden.reshape(-1, hidden.shape[-1]))
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -201,21 +232,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         kept_targets = targets[keep]
         lse = torch.empty(keep.numel(), dtype=dtype, device=hidden.device)
         total = torch.zeros((), dtype=dtype, device=hidden.device)
+        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)))
+        eps = opts.label_smoothing
         for start in range(0, keep.numel(), opts.chunk_tokens):
             rows = keep[start:start + opts.chunk_tokens]
-            logits, _ = _chunk_logits(hidden[rows], weight, bias, opts.transform, dtype)
-            target = kept_targets[start:start + opts.chunk_tokens]
-            chunk_lse = torch.logsumexp(logits, dim=1)
+            logits, _ = chunks.capped(hidden[rows])
+            target = kept_targets[start:start + rows.numel()]
+            loss = -logits.gather(1, target[:, None]).squeeze(1)
+            if eps:
+                loss = (1 - eps) * loss - eps * logits.mean(dim=1)
+            # log-sum-exp in place: max, exp(logits - max), sum (no chunk-sized temporaries)
+            top = logits.amax(dim=1)
+            chunk_lse = top + logits.sub_(top[:, None]).exp_().sum(dim=1).log_()
             lse[start:start + rows.numel()] = chunk_lse
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            loss = chunk_lse - picked
-            if opts.label_smoothing:
-                eps = opts.label_smoothing
-                loss = (1 - eps) * loss + eps * (chunk_lse - logits.mean(dim=1))
+            loss += chunk_lse
             if opts.z_loss:
-                loss = loss + opts.z_loss * chunk_lse.square()
+                loss += opts.z_loss * chunk_lse.square()
             total += loss.sum()
-            del logits
         ctx.save_for_backward(hidden, weight, bias, keep, kept_targets, lse)
         ctx.opts = opts
         return total.float() if dtype != torch.float64 else total
@@ -230,24 +263,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # fp32 accumulation over chunks (the standard path reduces over all tokens in one fp32-accumulating matmul)
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_bias else None
-        vocab = weight.shape[0]
-        eps, scale = opts.label_smoothing, grad_total.to(dtype)
+        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)))
+        eps = opts.label_smoothing
         for start in range(0, keep.numel(), opts.chunk_tokens):
             rows = keep[start:start + opts.chunk_tokens]
             chunk_hidden = hidden[rows]
-            logits, tanh = _chunk_logits(chunk_hidden, weight, bias, opts.transform, dtype)
             chunk_lse = lse[start:start + rows.numel()]
-            # d loss / d logits = softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V, times the upstream gradient
+            # d loss / d logits = softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V (times the upstream gradient,
+            # applied once to the results below rather than to every chunk)
+            logits, tanh = chunks.capped(chunk_hidden)
             grad = logits.sub_(chunk_lse[:, None]).exp_()
             if opts.z_loss:
                 grad.mul_((1 + 2 * opts.z_loss * chunk_lse)[:, None])
             if eps:
-                grad.sub_(eps / vocab)
+                grad.sub_(eps / weight.shape[0])
             target = kept_targets[start:start + rows.numel()]
             grad[torch.arange(rows.numel(), device=grad.device), target] -= 1 - eps
-            grad.mul_(scale)
             if tanh is not None:  # through softcap * tanh(z / softcap): times 1 - tanh^2
-                grad.mul_(1 - tanh.square_())
+                grad.mul_(tanh.square_().neg_().add_(1))
             if opts.transform.scale != 1.0:
                 grad.mul_(opts.transform.scale)
             if grad_hidden is not None:  # in the head's dtype, as the standard backward runs it
@@ -257,6 +290,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
             del logits, grad
+        scale = grad_total.to(dtype)
+        for grad in (grad_hidden, grad_weight, grad_bias):
+            if grad is not None:
+                grad.mul_(scale.to(grad.dtype))
         return (grad_hidden, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None)
 
 
@@ -525,7 +562,7 @@ class ChunkedLossModel:
         with torch.no_grad():
             ours, _ = _chunk_logits(hidden, head.weight, getattr(head, "bias", None), self.source.transform,
                                     _compute_dtype(hidden.dtype))
-        theirs = logits.to(ours.dtype)
+        theirs = logits.to(ours.dtype).reshape(ours.shape)
         tolerance = 1e-4 if hidden.dtype in (torch.float32, torch.float64) else 3e-2
         error = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-6))
         if not math.isfinite(error) or error > tolerance:
