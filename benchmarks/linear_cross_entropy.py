@@ -8,10 +8,11 @@ Usage::
 
 The model is Qwen2-0.5B's shape (hidden 896, vocabulary 151,936, tied embeddings) with ``--layers`` decoder layers
 (default 1, so the head, which is what changes, weighs as much as it can in the step). Every position carries a
-loss unless ``--ignored`` says what share does not (the chunked path skips those tokens; the standard head does not). Each (variant, round) runs in
-a fresh process, variants interleaved (standard, chunked, standard, ...), so the peak RSS of one cannot hide in the
-other's and a slow period of the shared machine hits both. Per process: one warm-up step, then ``--steps`` timed
-training steps (forward, backward, SGD step) on one micro-batch of ``--tokens`` tokens. Reported per variant:
+loss unless ``--ignored`` says what share does not (the chunked path skips those tokens; the standard head does not).
+Each (variant, round) runs in a fresh process, variants interleaved (standard, chunked, standard, ...), so the
+peak RSS of one cannot hide in the other's and a slow period of the shared machine hits both. Per process: one
+warm-up step, then ``--steps`` timed training steps (forward, backward, SGD step) on one micro-batch of
+``--tokens`` tokens. Reported per variant:
 
 - ``loss_path_saved_bytes``: what autograd keeps for backward from the hidden states to the loss (the hidden
   states, which both paths keep, included), measured with ``saved_tensor_bytes``;
@@ -35,7 +36,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, write_result  # noqa: E402
+from _common import median, write_result
 
 
 def _model(layers: int, vocab: int, hidden: int) -> torch.nn.Module:
