@@ -79,6 +79,7 @@ from vlmfast.strategies.optimizer import (
     lr_multiplier,
 )
 from vlmfast.strategies.precision import MixedPrecision, autocast_context, enable_tf32
+from vlmfast.strategies.token_budget import TokenBudget, plan_token_micro_batches, split_by_tokens
 from vlmfast.train.evaluation import evaluate_loss
 from vlmfast.train.interrupt import InterruptGuard
 
@@ -98,6 +99,7 @@ __all__ = [
     "RunProfiler",
     "ShardDataset",
     "StepProfiler",
+    "TokenBudget",
     "accumulate_gradients",
     "all_reduce_gradients",
     "apply_activation_checkpointing",
@@ -144,6 +146,7 @@ __all__ = [
     "peak_memory_gb",
     "peak_tflops",
     "plan_rows",
+    "plan_token_micro_batches",
     "preprocess_images",
     "record_attention_calls",
     "register_comm_hook",
@@ -154,6 +157,7 @@ __all__ = [
     "shard_model",
     "shift_targets",
     "split_batch",
+    "split_by_tokens",
     "sync_context",
     "timed_comm_hook",
     "trace_attention_kernels",
