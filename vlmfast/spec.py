@@ -440,6 +440,11 @@ class TrainSpec(Section):
         None, ge=1, description="samples per forward/backward; the rest is gradient accumulation (default: "
         "batch_size). Any size: 8 at 3 runs 3 + 3 + 2, exact, since micro-batches are weighted by loss items"
     )
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="cut each batch into micro-batches of at most this many tokens (padded length x rows, "
+        "image tokens counted; packed rows count their width), longest samples first; micro_batch_size then caps "
+        "the rows. Same gradient as the full batch; the OOM fallback halves it"
+    )
     precision: Precision = Field("fp32", description="fp32, bf16 autocast, or fp16 autocast + GradScaler (CUDA)")
     tf32: bool = Field(False, description="allow TF32 matmuls and convolutions on CUDA")
     device: str = Field("auto", description="'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'")
@@ -499,7 +504,12 @@ class TrainSpec(Section):
         if self.ddp.comm_wrapper != "none" and "powersgd" not in self.ddp.comm_hook:
             raise ValueError(f"ddp.comm_wrapper '{self.ddp.comm_wrapper}' wraps PowerSGD only: set ddp.comm_hook to "
                              "powersgd or batched_powersgd, or use ddp.comm_hook: fp16/bf16 for plain compression")
-        splits = mbs not in (None, self.batch_size) or self.oom.enabled
+        splits = mbs not in (None, self.batch_size) or self.oom.enabled or self.micro_batch_tokens is not None
+        if self.micro_batch_tokens is not None and self.packing.enabled and self.micro_batch_tokens < \
+                self.packing.max_tokens:
+            raise ValueError(f"micro_batch_tokens ({self.micro_batch_tokens}) is below packing.max_tokens "
+                             f"({self.packing.max_tokens}): a packed row costs its width; raise micro_batch_tokens to "
+                             f"a multiple of {self.packing.max_tokens}")
         if self.packing.enabled and self.packing.image_layout == "flat" and splits:
             raise ValueError(
                 "packing.image_layout 'flat' puts the batch's images in one tensor that cannot be split into "
