@@ -59,8 +59,10 @@ from vlmfast.strategies.accumulation import (
 )
 from vlmfast.strategies.activation_checkpointing import (
     apply_activation_checkpointing,
+    apply_checkpoint_plan,
     checkpoint_call,
     detach_frozen_modules,
+    plan_activation_checkpointing,
     saved_tensor_bytes,
 )
 from vlmfast.strategies.clipping import clip_gradients
@@ -103,6 +105,7 @@ __all__ = [
     "accumulate_gradients",
     "all_reduce_gradients",
     "apply_activation_checkpointing",
+    "apply_checkpoint_plan",
     "apply_linear_cross_entropy",
     "autocast_context",
     "autotune_num_workers",
@@ -145,6 +148,7 @@ __all__ = [
     "padding_waste",
     "peak_memory_gb",
     "peak_tflops",
+    "plan_activation_checkpointing",
     "plan_rows",
     "plan_token_micro_batches",
     "preprocess_images",
