@@ -113,6 +113,26 @@ class ActivationCheckpointingSpec(Section):
         "all", description="which tower to checkpoint (the language model usually holds most activations)"
     )
     offload_to_cpu: bool = Field(False, description="also move saved activations to CPU (save_on_cpu)")
+    budget_gb: float | None = Field(
+        None, gt=0, description="activations kept per micro-batch (GiB): checkpoint only the blocks (and ops) needed "
+        "to fit, recomputing the fewest FLOPs; measured per block with one probe forward of one sample"
+    )
+    budget_seq_len: int | None = Field(
+        None, ge=2, description="with budget_gb: tokens per sample (image tokens included) to plan for; default: "
+        "the model's longest"
+    )
+    selective: bool = Field(
+        True, description="with budget_gb: a block may also be checkpointed op by op (keep matmul and attention "
+        "outputs, recompute the elementwise ops: torch's selective checkpointing)"
+    )
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> ActivationCheckpointingSpec:
+        if self.budget_gb is not None and not self.enabled:
+            raise ValueError("activation_checkpointing.budget_gb is set but enabled is false: set enabled: true")
+        if self.budget_gb is not None and self.every != 1:
+            raise ValueError("activation_checkpointing.budget_gb picks the blocks itself: leave every at 1")
+        return self
 
 
 class OOMSpec(Section):

@@ -39,7 +39,10 @@ def _attention(spec: Any, ctx: BuildContext) -> Strategy | None:
 
 def _activation_checkpointing(spec: Any, ctx: BuildContext) -> Strategy | None:
     # After the optimizer's freezing (the loop applies it first): frozen towers keep no graph.
-    return ActivationCheckpointing(spec.activation_checkpointing) if spec.activation_checkpointing.enabled else None
+    if not spec.activation_checkpointing.enabled:
+        return None
+    return ActivationCheckpointing(spec.activation_checkpointing, micro_batch_size=spec.resolved_micro_batch_size,
+                                   micro_batch_tokens=spec.micro_batch_tokens, precision=spec.precision)
 
 
 def _linear_cross_entropy(spec: Any, ctx: BuildContext) -> Strategy | None:
