@@ -59,13 +59,20 @@ from vlmfast.strategies.accumulation import (
 )
 from vlmfast.strategies.activation_checkpointing import (
     apply_activation_checkpointing,
+    apply_checkpoint_plan,
     checkpoint_call,
     detach_frozen_modules,
+    plan_activation_checkpointing,
     saved_tensor_bytes,
 )
 from vlmfast.strategies.clipping import clip_gradients
 from vlmfast.strategies.compile import CompileResult, compile_model
 from vlmfast.strategies.ema import ExponentialMovingAverage, update_ema
+from vlmfast.strategies.linear_cross_entropy import (
+    apply_linear_cross_entropy,
+    linear_cross_entropy,
+    shift_targets,
+)
 from vlmfast.strategies.oom import OOMFallback, free_memory, is_oom_error, set_expandable_segments
 from vlmfast.strategies.optimizer import (
     build_optimizer,
@@ -75,6 +82,7 @@ from vlmfast.strategies.optimizer import (
     lr_multiplier,
 )
 from vlmfast.strategies.precision import MixedPrecision, autocast_context, enable_tf32
+from vlmfast.strategies.token_budget import TokenBudget, plan_token_micro_batches, split_by_tokens
 from vlmfast.train.evaluation import evaluate_loss
 from vlmfast.train.interrupt import InterruptGuard
 
@@ -95,9 +103,12 @@ __all__ = [
     "RunProfiler",
     "ShardDataset",
     "StepProfiler",
+    "TokenBudget",
     "accumulate_gradients",
     "all_reduce_gradients",
     "apply_activation_checkpointing",
+    "apply_checkpoint_plan",
+    "apply_linear_cross_entropy",
     "autocast_context",
     "autotune_num_workers",
     "build_deepspeed_config",
@@ -123,6 +134,7 @@ __all__ = [
     "init_distributed",
     "is_oom_error",
     "latest_checkpoint",
+    "linear_cross_entropy",
     "load_checkpoint",
     "load_full_state_dict",
     "lr_multiplier",
@@ -138,7 +150,9 @@ __all__ = [
     "padding_waste",
     "peak_memory_gb",
     "peak_tflops",
+    "plan_activation_checkpointing",
     "plan_rows",
+    "plan_token_micro_batches",
     "preprocess_images",
     "record_attention_calls",
     "register_comm_hook",
@@ -147,7 +161,9 @@ __all__ = [
     "set_attention_backend",
     "set_expandable_segments",
     "shard_model",
+    "shift_targets",
     "split_batch",
+    "split_by_tokens",
     "sync_context",
     "timed_comm_hook",
     "trace_attention_kernels",

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from vlmfast.sections import Section, SpecError, set_root
 from vlmfast.strategies.ema import EMASpec
+from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropySpec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu|hpu|npu)(:\d+)?")
@@ -113,6 +114,26 @@ class ActivationCheckpointingSpec(Section):
         "all", description="which tower to checkpoint (the language model usually holds most activations)"
     )
     offload_to_cpu: bool = Field(False, description="also move saved activations to CPU (save_on_cpu)")
+    budget_gb: float | None = Field(
+        None, gt=0, description="activations kept per micro-batch (GiB): checkpoint only the blocks (and ops) needed "
+        "to fit, recomputing the fewest FLOPs; measured per block with one probe forward of one sample"
+    )
+    budget_seq_len: int | None = Field(
+        None, ge=2, description="with budget_gb: tokens per sample (image tokens included) to plan for; default: "
+        "the model's longest"
+    )
+    selective: bool = Field(
+        True, description="with budget_gb: a block may also be checkpointed op by op (keep matmul and attention "
+        "outputs, recompute the elementwise ops: torch's selective checkpointing)"
+    )
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> ActivationCheckpointingSpec:
+        if self.budget_gb is not None and not self.enabled:
+            raise ValueError("activation_checkpointing.budget_gb is set but enabled is false: set enabled: true")
+        if self.budget_gb is not None and self.every != 1:
+            raise ValueError("activation_checkpointing.budget_gb picks the blocks itself: leave every at 1")
+        return self
 
 
 class OOMSpec(Section):
@@ -440,6 +461,11 @@ class TrainSpec(Section):
         None, ge=1, description="samples per forward/backward; the rest is gradient accumulation (default: "
         "batch_size). Any size: 8 at 3 runs 3 + 3 + 2, exact, since micro-batches are weighted by loss items"
     )
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="cut each batch into micro-batches of at most this many tokens (padded length x rows, "
+        "image tokens counted; packed rows count their width), longest samples first; micro_batch_size then caps "
+        "the rows. Same gradient as the full batch; the OOM fallback halves it"
+    )
     precision: Precision = Field("fp32", description="fp32, bf16 autocast, or fp16 autocast + GradScaler (CUDA)")
     tf32: bool = Field(False, description="allow TF32 matmuls and convolutions on CUDA")
     device: str = Field("auto", description="'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'")
@@ -451,6 +477,7 @@ class TrainSpec(Section):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     loss: LossSpec = Field(default_factory=LossSpec)
+    linear_cross_entropy: LinearCrossEntropySpec = Field(default_factory=LinearCrossEntropySpec)
     activation_checkpointing: ActivationCheckpointingSpec = Field(default_factory=ActivationCheckpointingSpec)
     attention: AttentionSpec = Field(default_factory=AttentionSpec)
     oom: OOMSpec = Field(default_factory=OOMSpec)
@@ -499,7 +526,12 @@ class TrainSpec(Section):
         if self.ddp.comm_wrapper != "none" and "powersgd" not in self.ddp.comm_hook:
             raise ValueError(f"ddp.comm_wrapper '{self.ddp.comm_wrapper}' wraps PowerSGD only: set ddp.comm_hook to "
                              "powersgd or batched_powersgd, or use ddp.comm_hook: fp16/bf16 for plain compression")
-        splits = mbs not in (None, self.batch_size) or self.oom.enabled
+        splits = mbs not in (None, self.batch_size) or self.oom.enabled or self.micro_batch_tokens is not None
+        if self.micro_batch_tokens is not None and self.packing.enabled and self.micro_batch_tokens < \
+                self.packing.max_tokens:
+            raise ValueError(f"micro_batch_tokens ({self.micro_batch_tokens}) is below packing.max_tokens "
+                             f"({self.packing.max_tokens}): a packed row costs its width; raise micro_batch_tokens to "
+                             f"a multiple of {self.packing.max_tokens}")
         if self.packing.enabled and self.packing.image_layout == "flat" and splits:
             raise ValueError(
                 "packing.image_layout 'flat' puts the batch's images in one tensor that cannot be split into "

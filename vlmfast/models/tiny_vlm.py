@@ -242,6 +242,10 @@ class LanguageModel(nn.Module):
 
         ``position_ids`` [B, T] that restart at 0 mark packed documents: attention stays inside each.
         """
+        return self.lm_head(self.hidden_states(inputs_embeds, logits_from, position_ids))
+
+    def hidden_states(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None) -> Tensor:
+        """The final (normed) hidden states [B, T - logits_from, dim]: what ``lm_head`` turns into logits."""
         t = inputs_embeds.shape[1]
         max_positions = self.embed_positions.num_embeddings
         documents = None
@@ -259,7 +263,7 @@ class LanguageModel(nn.Module):
         for layer in self.layers:
             x = layer(x, documents=documents)
         # Skipping the prefix (image tokens) before the head saves work: they never carry a loss.
-        return self.lm_head(self.norm(x[:, logits_from:]))
+        return self.norm(x[:, logits_from:])
 
 
 class TinyVLM(nn.Module):
@@ -310,20 +314,29 @@ class TinyVLM(nn.Module):
         Packed rows (``position_ids`` given): ``pixel_values`` is [R, K, 3, S, S] with ``images_per_row``
         [R] valid images per row (or [N, 3, S, S] in row order), and logits cover every position.
         """
-        del attention_mask  # see docstring
-        if position_ids is not None:
-            logits = self._packed_logits(pixel_values, input_ids, position_ids, images_per_row)
-            loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
-            return VLMOutput(loss=loss, logits=logits)
-        image_embeds = self.multi_modal_projector(self.vision_tower(pixel_values))
-        text_embeds = self.language_model.embed_tokens(input_ids)
-        inputs_embeds = torch.cat([image_embeds.to(text_embeds.dtype), text_embeds], dim=1)
-        logits = self.language_model(inputs_embeds, logits_from=image_embeds.shape[1])
+        logits = self.language_model.lm_head(
+            self.hidden_states_for_loss(pixel_values, input_ids, attention_mask, position_ids, images_per_row))
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return VLMOutput(loss=loss, logits=logits)
 
-    def _packed_logits(self, pixel_values: Tensor, input_ids: Tensor, position_ids: Tensor,
-                       images_per_row: Tensor | None) -> Tensor:
+    def get_output_embeddings(self) -> nn.Linear:
+        """The language head (Hugging Face's name for it): chunked losses take its weight."""
+        return self.language_model.lm_head
+
+    def hidden_states_for_loss(self, pixel_values: Tensor, input_ids: Tensor, attention_mask: Tensor | None = None,
+                               position_ids: Tensor | None = None, images_per_row: Tensor | None = None) -> Tensor:
+        """The hidden states the head turns into the logits ``forward`` returns (text positions; every position of
+        packed rows), so a loss can apply the head itself (``vlmfast.hooks.linear_cross_entropy``)."""
+        del attention_mask  # see forward's docstring
+        if position_ids is not None:
+            return self._packed_hidden_states(pixel_values, input_ids, position_ids, images_per_row)
+        image_embeds = self.multi_modal_projector(self.vision_tower(pixel_values))
+        text_embeds = self.language_model.embed_tokens(input_ids)
+        inputs_embeds = torch.cat([image_embeds.to(text_embeds.dtype), text_embeds], dim=1)
+        return self.language_model.hidden_states(inputs_embeds, logits_from=image_embeds.shape[1])
+
+    def _packed_hidden_states(self, pixel_values: Tensor, input_ids: Tensor, position_ids: Tensor,
+                              images_per_row: Tensor | None) -> Tensor:
         """Each sample's image features go to its placeholders, in row order (as LLaVA's masked_scatter)."""
         if images_per_row is not None:
             slots = torch.arange(pixel_values.shape[1], device=pixel_values.device)
@@ -336,7 +349,7 @@ class TinyVLM(nn.Module):
                              f"of {image_embeds.shape[1]} tokens: pack with image_tokens={image_embeds.shape[1]}")
         text_embeds = self.language_model.embed_tokens(input_ids.clamp(min=0))
         inputs_embeds = text_embeds.masked_scatter(is_image.unsqueeze(-1), image_embeds.to(text_embeds.dtype))
-        return self.language_model(inputs_embeds, position_ids=position_ids)
+        return self.language_model.hidden_states(inputs_embeds, position_ids=position_ids)
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor, num_items_in_batch: int | Tensor | None = None) -> Tensor:

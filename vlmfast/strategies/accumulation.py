@@ -165,10 +165,12 @@ class GradientAccumulation(Strategy):
         self.passes_num_items = self.loss_fn is None and model_accepts_num_items(model)
         return model
 
-    def plan(self, batch: Any, micro_batch_size: int) -> AccumulationPlan:
+    def plan(self, batch: Any, micro_batch_size: int | Any) -> AccumulationPlan:
         """Split `batch` and count its loss items (on the host, before it moves to the device); ranks agree on the
-        total and on the number of micro-batches in one collective."""
-        micro_batches = split_batch(batch, micro_batch_size)
+        total and on the number of micro-batches in one collective. `micro_batch_size` is a number of samples, or a
+        size object that splits the batch itself (`.split(batch)`: vlmfast.strategies.token_budget.TokenBudget)."""
+        splitter = getattr(micro_batch_size, "split", None)
+        micro_batches = splitter(batch) if splitter is not None else split_batch(batch, micro_batch_size)
         token_counts = [self._count_tokens(mb) for mb in micro_batches]
         countable = all(n is not None for n in token_counts)
         weighting = self.resolved_weighting = self._resolve_weighting(countable)

@@ -19,6 +19,7 @@ and the loss stay on the device, where copying them would cost more than it save
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import types
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vlmfast.memory.checkpoint_budget import CheckpointPlan, measure_block_costs, plan_checkpointing
 from vlmfast.module_tree import find_repeated_blocks, matches
 from vlmfast.spec import ActivationCheckpointingSpec
 from vlmfast.strategies.base import Strategy
@@ -36,9 +38,12 @@ from vlmfast.strategies.base import Strategy
 __all__ = [
     "ActivationCheckpointing",
     "apply_activation_checkpointing",
+    "apply_checkpoint_plan",
     "checkpoint_call",
     "detach_frozen_modules",
     "find_repeated_blocks",
+    "plan_activation_checkpointing",
+    "plan_for_budget",
     "saved_tensor_bytes",
 ]
 
@@ -95,10 +100,14 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
 # checkpointing one call
 
 
-def checkpoint_call(fn: Callable[..., Any], *args: Any, offload_to_cpu: bool = False, **kwargs: Any) -> Any:
+def checkpoint_call(fn: Callable[..., Any], *args: Any, offload_to_cpu: bool = False, selective: bool = False,
+                    **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpointing, its saved inputs optionally kept on CPU.
 
     Usage: ``out = checkpoint_call(block.forward, hidden, attention_mask=mask, offload_to_cpu=True)``
+
+    ``selective``: op-level checkpointing: the outputs of matmuls, convolutions and attention kernels are kept
+    (``vlmfast.memory.checkpoint_budget.SAVED_OPS``), everything else is recomputed in backward.
     """
     # kwargs go through a partial so a block argument named like one of checkpoint's own (debug, context_fn, ...)
     # cannot be taken by checkpoint; non-reentrant checkpointing still gives gradients to tensors in them.
@@ -109,25 +118,64 @@ def checkpoint_call(fn: Callable[..., Any], *args: Any, offload_to_cpu: bool = F
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor):
                 report(value)
+    caches: list[Any] = []
+    options: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        options["context_fn"] = functools.partial(_selective_contexts, caches)
     if not offload_to_cpu:
-        return checkpoint(call, *args, use_reentrant=False)
-    # Looked up at call time (not imported) so tests can observe it; pinned memory only where CUDA exists.
-    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-        return checkpoint(call, *args, use_reentrant=False)
+        out = checkpoint(call, *args, **options)
+    else:
+        # Looked up at call time (not imported) so tests can observe it; pinned memory only where CUDA exists.
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            out = checkpoint(call, *args, **options)
+    if report is not None and not offload_to_cpu:
+        for cache in caches:  # what selective checkpointing keeps lives in its own cache, not in saved tensors
+            for tensor in _cached_tensors(cache):
+                report(tensor)
+    return out
+
+
+def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """Keep the outputs of the expensive ops, recompute the rest (torchtitan's op-level SAC, simplified)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from vlmfast.memory.checkpoint_budget import SAVED_OPS
+
+    return CheckpointPolicy.MUST_SAVE if func.overloadpacket in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts(caches: list[Any]) -> tuple[Any, Any]:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    forward_context, recompute_context = create_selective_checkpoint_contexts(_selective_policy)
+    caches.append(getattr(forward_context, "storage", {}))  # torch/utils/checkpoint.py _CachingTorchDispatchMode
+    return forward_context, recompute_context
+
+
+def _cached_tensors(cache: Any) -> Iterator[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    for entries in cache.values():
+        for leaf in tree_flatten(list(entries.values()))[0]:
+            value = getattr(leaf, "val", leaf)  # torch's _VersionWrapper around each kept output
+            if isinstance(value, torch.Tensor):
+                yield value
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Replacement ``forward`` bound to a block: checkpoint only when training with autograd on."""
     inner = self._vlmfast_inner_forward
     if self.training and torch.is_grad_enabled():
-        return checkpoint_call(inner, *args, offload_to_cpu=self._vlmfast_offload, **kwargs)
+        return checkpoint_call(inner, *args, offload_to_cpu=self._vlmfast_offload,
+                               selective=getattr(self, "_vlmfast_selective", False), **kwargs)
     return inner(*args, **kwargs)
 
 
-def _wrap_block(block: nn.Module, offload_to_cpu: bool) -> None:
+def _wrap_block(block: nn.Module, offload_to_cpu: bool, selective: bool = False) -> None:
     # Bound methods (not closures) so copy.deepcopy rebinds them to the copy's own parameters.
     block._vlmfast_inner_forward = block.forward
     block._vlmfast_offload = offload_to_cpu
+    block._vlmfast_selective = selective
     block.forward = types.MethodType(_checkpointed_forward, block)
 
 
@@ -139,15 +187,18 @@ def _hf_layer_class() -> type | None:
     return GradientCheckpointingLayer
 
 
-def _checkpoint_block(block: nn.Module, offload_to_cpu: bool) -> None:
+def _checkpoint_block(block: nn.Module, offload_to_cpu: bool, selective: bool = False) -> None:
     hf_layer = _hf_layer_class()
     if hf_layer is not None and isinstance(block, hf_layer):
         # The HF layer's own switch: it drops use_cache/past_key_values before checkpointing, which a plain wrapper
         # cannot know to do (the recomputation would append to the KV cache a second time).
         block.gradient_checkpointing = True
-        block._gradient_checkpointing_func = functools.partial(checkpoint_call, offload_to_cpu=offload_to_cpu)
+        block._gradient_checkpointing_func = functools.partial(checkpoint_call, offload_to_cpu=offload_to_cpu,
+                                                               selective=selective)
+    elif getattr(block, _WRAPPED, False):
+        block._vlmfast_offload, block._vlmfast_selective = offload_to_cpu, selective  # re-planned: new mode
     else:
-        _wrap_block(block, offload_to_cpu)
+        _wrap_block(block, offload_to_cpu, selective)
     setattr(block, _WRAPPED, True)
 
 
@@ -244,6 +295,84 @@ def apply_activation_checkpointing(
     return [name for name, _ in selected]
 
 
+def plan_activation_checkpointing(
+    model: nn.Module,
+    run: Callable[[], Any],
+    budget_bytes: int,
+    *,
+    selective: bool = True,
+    scope: str = "all",
+    blocks: Iterable[str] = (),
+) -> CheckpointPlan:
+    """Measure every repeated block in one forward ``run()`` and plan which to checkpoint, and how, within a budget.
+
+    Usage: ``plan = plan_activation_checkpointing(model, lambda: model(**batch).loss, 2 * 2**30)``
+
+    See :mod:`vlmfast.memory.checkpoint_budget`. ``scope`` / ``blocks`` restrict the candidates as in
+    :func:`apply_activation_checkpointing`. The model is only measured: apply with :func:`apply_checkpoint_plan`.
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"activation_checkpointing.scope must be one of {SCOPES}, got '{scope}'")
+    candidates = _select(model, blocks, 1, "all")
+    towers = {"all": ("vision", "language"), "vision": ("vision",), "language_model": ("language",)}[scope]
+    was_training = model.training
+    model.train()
+    try:
+        costs = measure_block_costs(model, run, candidates)
+    finally:
+        model.train(was_training)
+    return plan_checkpointing(costs, budget_bytes, selective=selective, towers=towers)
+
+
+def apply_checkpoint_plan(model: nn.Module, plan: CheckpointPlan, *, offload_to_cpu: bool = False) -> list[str]:
+    """Checkpoint the blocks ``plan`` says to (fully or selectively); returns their names.
+
+    Usage: ``apply_checkpoint_plan(model, plan_activation_checkpointing(model, run, budget))``
+    """
+    done = []
+    for name, mode in plan.modes.items():
+        if mode != "none":
+            _checkpoint_block(model.get_submodule(name), offload_to_cpu, selective=mode == "selective")
+            done.append(name)
+    return done
+
+
+def plan_for_budget(model: nn.Module, budget_gb: float, *, micro_batch_size: int = 1,
+                    micro_batch_tokens: int | None = None, seq_len: int | None = None, precision: str = "fp32",
+                    selective: bool = True, scope: str = "all", blocks: Iterable[str] = ()) -> CheckpointPlan:
+    """The plan for ``activation_checkpointing.budget_gb``: one probe forward of one sample at ``seq_len`` (default:
+    the model's longest) with the built-in probe, scaled to the micro-batch's rows, then planned.
+
+    Usage: ``plan = plan_for_budget(model, 4.0, micro_batch_size=2)``; ``apply_checkpoint_plan(model, plan)``
+    """
+    from vlmfast.memory.activations import default_activation_probe
+    from vlmfast.utils import PRECISION_DTYPES
+
+    probe = default_activation_probe(model)
+    if probe is None:
+        raise ValueError(
+            f"activation_checkpointing.budget_gb: vlmfast has no probe forward for {type(model).__name__} (it knows "
+            "its tiny VLM and Hugging Face LLaVA-style and causal LMs). Plan with your own batch instead: "
+            "plan = vlmfast.hooks.plan_activation_checkpointing(model, lambda: model(**batch).loss, budget_bytes); "
+            "vlmfast.hooks.apply_checkpoint_plan(model, plan)")
+    length = seq_len or probe.default_seq_len
+    rows = max(micro_batch_tokens // length, 1) if micro_batch_tokens else micro_batch_size
+    first = next((p for p in model.parameters() if p.is_floating_point()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    mixed = precision != "fp32" and first is not None and first.dtype == torch.float32
+    autocast = torch.autocast(device.type, dtype=PRECISION_DTYPES[precision]) if mixed else contextlib.nullcontext()
+    candidates = _select(model, blocks, 1, "all")
+    towers = {"all": ("vision", "language"), "vision": ("vision",), "language_model": ("language",)}[scope]
+    was_training = model.training
+    model.train()
+    try:
+        with autocast:
+            costs = measure_block_costs(model, lambda: probe(1, length), candidates)
+    finally:
+        model.train(was_training)
+    return plan_checkpointing(costs.times(rows), int(budget_gb * 2**30), selective=selective, towers=towers)
+
+
 def _is_hf_model(model: nn.Module) -> bool:
     return hasattr(model, "gradient_checkpointing_enable") and bool(getattr(model, "supports_gradient_checkpointing",
                                                                             False))
@@ -326,20 +455,30 @@ class ActivationCheckpointing(Strategy):
 
     name = "activation_checkpointing"
 
-    def __init__(self, spec: ActivationCheckpointingSpec) -> None:
+    def __init__(self, spec: ActivationCheckpointingSpec, *, micro_batch_size: int = 1,
+                 micro_batch_tokens: int | None = None, precision: str = "fp32") -> None:
         self.spec = spec
         self.blocks: list[str] = []
         self.list_sizes: dict[str, int] = {}
         self.frozen: list[str] = []
         self.hf_native = False
+        self.micro_batch_size, self.micro_batch_tokens, self.precision = micro_batch_size, micro_batch_tokens, precision
+        self.plan: CheckpointPlan | None = None
 
     def apply(self, model: nn.Module) -> nn.Module:
         if not self.spec.enabled:
             return model
         s = self.spec
-        self.hf_native = _is_hf_model(model) and not s.blocks and s.every == 1 and s.scope == "all"
-        self.blocks = apply_activation_checkpointing(model, blocks=s.blocks, every=s.every, scope=s.scope,
-                                                     offload_to_cpu=s.offload_to_cpu)
+        if s.budget_gb is not None:
+            self.plan = plan_for_budget(model, s.budget_gb, micro_batch_size=self.micro_batch_size,
+                                        micro_batch_tokens=self.micro_batch_tokens, seq_len=s.budget_seq_len,
+                                        precision=self.precision, selective=s.selective, scope=s.scope,
+                                        blocks=s.blocks)
+            self.blocks = apply_checkpoint_plan(model, self.plan, offload_to_cpu=s.offload_to_cpu)
+        else:
+            self.hf_native = _is_hf_model(model) and not s.blocks and s.every == 1 and s.scope == "all"
+            self.blocks = apply_activation_checkpointing(model, blocks=s.blocks, every=s.every, scope=s.scope,
+                                                         offload_to_cpu=s.offload_to_cpu)
         self.list_sizes = _list_sizes(model, self.blocks)
         self.frozen = detach_frozen_modules(model)
         return model
@@ -347,6 +486,9 @@ class ActivationCheckpointing(Strategy):
     def describe(self) -> str:
         if not self.spec.enabled:
             return "activation checkpointing: off"
+        if self.plan is not None:
+            frozen = f", frozen {', '.join(self.frozen)} run without autograd" if self.frozen else ""
+            return f"activation checkpointing: {self.plan.describe()}{frozen}"
         counts: dict[str, int] = {}
         for name in self.blocks:
             group = _group_of(name, self.list_sizes)

@@ -22,6 +22,7 @@ from vlmfast.strategies.base import Strategy
 from vlmfast.strategies.clipping import GradientClipping
 from vlmfast.strategies.compile import TorchCompile
 from vlmfast.strategies.ema import EMA
+from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropy
 from vlmfast.strategies.nonfinite import NonFiniteGuard
 
 
@@ -39,7 +40,15 @@ def _attention(spec: Any, ctx: BuildContext) -> Strategy | None:
 
 def _activation_checkpointing(spec: Any, ctx: BuildContext) -> Strategy | None:
     # After the optimizer's freezing (the loop applies it first): frozen towers keep no graph.
-    return ActivationCheckpointing(spec.activation_checkpointing) if spec.activation_checkpointing.enabled else None
+    if not spec.activation_checkpointing.enabled:
+        return None
+    return ActivationCheckpointing(spec.activation_checkpointing, micro_batch_size=spec.resolved_micro_batch_size,
+                                   micro_batch_tokens=spec.micro_batch_tokens, precision=spec.precision)
+
+
+def _linear_cross_entropy(spec: Any, ctx: BuildContext) -> Strategy | None:
+    # Before compile (it traces the replaced forward); after checkpointing (independent of it).
+    return LinearCrossEntropy(spec.linear_cross_entropy) if spec.linear_cross_entropy.enabled else None
 
 
 def _clipping(spec: Any, ctx: BuildContext) -> Strategy | None:
@@ -63,6 +72,7 @@ def _ema(spec: Any, ctx: BuildContext) -> Strategy | None:
 OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
     _attention,
     _activation_checkpointing,
+    _linear_cross_entropy,
     _clipping,
     _nonfinite,
     _compile,

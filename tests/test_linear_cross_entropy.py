@@ -1,0 +1,199 @@
+"""Chunked linear cross-entropy: the same loss and gradients as the standard head + loss, without the logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import LlavaDataset, TokenDataset, tiny_llava, token_batch
+
+from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.hooks import apply_linear_cross_entropy, linear_cross_entropy, saved_tensor_bytes, shift_targets
+from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig
+from vlmfast.strategies.linear_cross_entropy import resolve_impl
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+@pytest.mark.parametrize(("softcap", "scale", "smoothing", "z_loss", "bias"), [
+    (None, 1.0, 0.0, 0.0, False), (5.0, 1.0, 0.0, 0.0, False), (None, 0.5, 0.1, 1e-3, True),
+    (3.0, 2.0, 0.2, 1e-2, True),
+])
+def test_function_equals_the_standard_loss(softcap, scale, smoothing, z_loss, bias) -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 17, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(VOCAB, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(VOCAB, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+    targets = torch.randint(0, VOCAB, (3, 17), generator=g)
+    targets[:, ::5] = -100
+    leaves = [hidden, weight, *([b] if bias else [])]
+    ours = linear_cross_entropy(hidden, weight, targets, bias=b, chunk_tokens=7, softcap=softcap, logit_scale=scale,
+                                label_smoothing=smoothing, z_loss=z_loss, reduction="mean")
+    logits = F.linear(hidden, weight, b) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat, flat_targets = logits.reshape(-1, VOCAB), targets.reshape(-1)
+    kept = flat_targets != -100
+    standard = F.cross_entropy(flat, flat_targets, label_smoothing=smoothing, reduction="sum")
+    standard = (standard + z_loss * torch.logsumexp(flat[kept], 1).square().sum()) / kept.sum()
+    assert abs(float(ours.detach() - standard.detach())) < 1e-10
+    for a, b_ in zip(torch.autograd.grad(ours, leaves), torch.autograd.grad(standard, leaves), strict=True):
+        assert _relative(a, b_) < 1e-10
+
+
+def _build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if name == "qwen2-tied":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    # tied embeddings and the final logit soft-capping of Gemma 2
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=3.0))
+
+
+def _hidden_grad(model: torch.nn.Module, batch: dict, **extra) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, gradient of the base model's output hidden states)."""
+    captured = {}
+
+    def keep(_m, _a, out):
+        if not out.last_hidden_state.requires_grad:  # the one-off no-grad check against the model's logits
+            return
+        out.last_hidden_state.retain_grad()
+        captured["hidden"] = out.last_hidden_state
+
+    handle = model.model.register_forward_hook(keep)
+    loss = model(**batch, **extra).loss
+    handle.remove()
+    loss.backward()
+    return loss.detach(), captured["hidden"].grad
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "gemma2"])
+def test_hf_gradients_equal_the_models_own_loss(name: str) -> None:
+    model = _build(name).double()
+    chunked = copy.deepcopy(model)
+    state = apply_linear_cross_entropy(chunked, chunk_tokens=16)
+    batch = token_batch(6, 20, VOCAB)
+    for extra in ({}, {"num_items_in_batch": 40}):  # mean over own tokens; the accumulation's global divisor
+        loss, hidden = _hidden_grad(model, batch, **extra)
+        ours, our_hidden = _hidden_grad(chunked, batch, **extra)
+        assert abs(float(ours - loss)) < 1e-5 * abs(float(loss))
+        assert _relative(our_hidden, hidden) < 1e-5
+        head, our_head = model.get_output_embeddings().weight, chunked.get_output_embeddings().weight
+        assert _relative(our_head.grad, head.grad) < 1e-5
+        model.zero_grad()
+        chunked.zero_grad()
+    assert state.verified == "yes"
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == (name != "llama")
+    assert (state.source.transform.softcap == 3.0) == (name == "gemma2")
+
+
+def _train_one_step(model: torch.nn.Module, data, lce: bool, collate=None) -> torch.nn.Module:
+    spec = TrainSpec(max_steps=1, batch_size=8, micro_batch_size=3, device="cpu", optimizer={"name": "sgd", "lr": 1.0},
+                     linear_cross_entropy={"enabled": lce, "chunk_tokens": 16},
+                     log={"progress": False}, memory={"timeline_plot": False, "leak_check": False})
+    trainer = OptimizedTrainer(model, data, spec, collate_fn=collate)
+    trainer.fit()
+    return trainer
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "gemma2"])
+def test_whole_model_after_one_step_equals_the_standard_loss(name: str) -> None:
+    """Through the trainer: micro-batches of 3 out of 8 (num_items_in_batch), one SGD step, every parameter."""
+    model = _build(name).double()
+    data = TokenDataset(8, 20, VOCAB)
+    standard = _train_one_step(copy.deepcopy(model), data, lce=False).engine.module
+    trainer = _train_one_step(model, data, lce=True)
+    before = dict(_build(name).double().named_parameters())
+    for (key, ours), (_, theirs) in zip(trainer.engine.module.named_parameters(), standard.named_parameters(),
+                                        strict=True):
+        step, their_step = ours - before[key], theirs - before[key]
+        assert _relative(step, their_step) < 1e-5, key
+    assert any("linear cross-entropy: torch" in line for line in trainer._build_report([], 1.0).strategies)
+
+
+def test_vlms_llava_and_the_tiny_vlm_packed_and_padded() -> None:
+    llava = tiny_llava().double()
+    data = LlavaDataset(6)
+    batch = {k: torch.stack([data[i][k] for i in range(6)]) for k in data[0]}
+    batch["pixel_values"] = batch["pixel_values"].double()
+    chunked = copy.deepcopy(llava)
+    state = apply_linear_cross_entropy(chunked, chunk_tokens=5)
+    llava(**batch).loss.backward()
+    chunked(**batch).loss.backward()
+    pairs = zip(llava.parameters(), chunked.parameters(), strict=True)
+    grads = [(p.grad, q.grad) for p, q in pairs if p.grad is not None]
+    assert _relative(torch.cat([g.flatten() for _, g in grads]), torch.cat([g.flatten() for g, _ in grads])) < 1e-5
+    assert state.verified == "yes" and state.source.kind == "hugging face"
+
+    torch.manual_seed(0)
+    tiny = TinyVLM(TinyVLMConfig(vocab_size=VOCAB)).double()
+    chunked = copy.deepcopy(tiny)
+    assert apply_linear_cross_entropy(chunked, chunk_tokens=8).source.kind == "hidden_states_for_loss"
+    text = token_batch(4, 12, VOCAB)
+    pixels = torch.randn(4, 3, 48, 48, dtype=torch.float64)
+    positions = torch.arange(12).repeat(4, 1)  # the packed-row path: every position carries logits
+    for extra in ({}, {"position_ids": positions, "pixel_values": pixels[:, None]}):
+        inputs = {"pixel_values": pixels, **text, **extra}
+        if "position_ids" in extra:
+            inputs["input_ids"] = text["input_ids"].clone()
+            inputs["input_ids"][:, :9] = -200  # one image's 9 placeholder tokens per row
+            inputs["images_per_row"] = torch.ones(4, dtype=torch.long)
+        tiny(**inputs, num_items_in_batch=30).loss.backward()
+        out = chunked(**inputs, num_items_in_batch=30)
+        assert out.logits is None
+        out.loss.backward()
+        assert _relative(chunked.get_output_embeddings().weight.grad, tiny.get_output_embeddings().weight.grad) < 1e-5
+        assert _relative(chunked.vision_tower.patch_embed.weight.grad, tiny.vision_tower.patch_embed.weight.grad) < 1e-5
+        tiny.zero_grad()
+        chunked.zero_grad()
+
+
+def test_loss_path_keeps_far_fewer_bytes_for_backward() -> None:
+    """Fails if the chunked path kept the logits (or their softmax) for backward: 4,096 / 32 = 128x bound."""
+    vocab, dim, tokens = 4096, 32, 512
+    hidden = torch.randn(tokens, dim, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(vocab, dim))  # resident: not counted, as in a model
+    targets = torch.randint(0, vocab, (tokens,))
+
+    def standard() -> torch.Tensor:
+        return F.cross_entropy(F.linear(hidden * 1.0, weight), targets, reduction="sum")
+
+    def chunked() -> torch.Tensor:
+        return linear_cross_entropy(hidden * 1.0, weight, targets, chunk_tokens=64)
+
+    assert saved_tensor_bytes(standard) > 50 * saved_tensor_bytes(chunked)
+    assert torch.equal(shift_targets(torch.tensor([[1, 2, 3]])), torch.tensor([[2, 3, -100]]))
+
+
+def test_clear_refusals() -> None:
+    with pytest.raises(ValueError, match="hidden_states_for_loss"):
+        apply_linear_cross_entropy(torch.nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="CUDA only"):
+        resolve_impl("liger", torch.device("cpu"))
+    assert resolve_impl("auto", torch.device("cpu")) == "torch"
+
+    model = _build("llama").double()
+    model.config.final_logit_softcapping = None
+    original = model.forward
+
+    def scaled_forward(*args, **kwargs):  # a logit transform the config does not announce
+        out = original(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+    model.forward = scaled_forward
+    apply_linear_cross_entropy(model)
+    with pytest.raises(ValueError, match="does not know"):
+        model(**token_batch(2, 8, VOCAB))

@@ -1,0 +1,152 @@
+"""Micro-batches by token budget: longest first, trimmed, the full-batch gradient, the OOM fallback halves N."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TinyCausalLM, TokenDataset, token_batch
+
+from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.hooks import (
+    TokenBudget,
+    accumulate_gradients,
+    plan_token_micro_batches,
+    saved_tensor_bytes,
+    split_by_tokens,
+)
+from vlmfast.models.long_tail import collate_per_row_images, long_tailed_samples
+from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig
+from vlmfast.spec import OOMSpec
+from vlmfast.strategies.token_budget import TokenBudgetSizer, build_sizer, image_token_cost, sample_costs
+from vlmfast.testing import simulated_oom
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_plan_longest_first_under_the_budget() -> None:
+    costs = [900, 20, 30, 400, 1500, 100]
+    groups = plan_token_micro_batches(costs, 1000)
+    assert groups == [[4], [0], [3, 5], [2, 1]]  # 1500 alone (over budget), then rows x longest <= 1000
+    assert all(len(g) * costs[g[0]] <= 1000 for g in groups if costs[g[0]] <= 1000)
+    assert plan_token_micro_batches(costs, 10_000, max_rows=2) == [[4, 0], [3, 5], [2, 1]]
+
+
+def test_split_trims_padding_and_per_row_images() -> None:
+    batch = collate_per_row_images(long_tailed_samples(12, max_text=64, max_images=3, seed=1))
+    budget = TokenBudget(120)
+    parts = budget.split(batch)
+    costs = sample_costs(batch)
+    assert sorted(sum(p["input_ids"].shape[0] for p in parts) for _ in [0]) == [12]
+    for part in parts:
+        rows, width = part["input_ids"].shape
+        assert rows * width <= 120 or rows == 1  # trimmed to its own longest sample
+        assert part["attention_mask"][:, -1].any()  # no all-padding column left
+        assert part["pixel_values"].shape[1] == max(int(part["images_per_row"].max()), 1)
+        assert part["position_ids"].shape == part["input_ids"].shape
+    assert budget.last["micro_batches"] == len(parts) and budget.last["real_tokens"] == sum(costs)
+    # left padding is cut too
+    left = {k: v.flip(-1) if v.dim() == 2 else v for k, v in token_batch(4, 10).items()}
+    assert all(p["attention_mask"][:, 0].any() for p in split_by_tokens(left, 12))
+
+
+def test_refuses_layouts_it_cannot_split() -> None:
+    batch = token_batch(4, 10)
+    batch["pixel_values"] = torch.zeros(7, 3, 8, 8)  # flattened images of 4 samples: rows unknown
+    with pytest.raises(ValueError, match=r"pixel_values.*images_per_row"):
+        split_by_tokens(batch, 20)
+    with pytest.raises(ValueError, match="dict batches"):
+        TokenBudget(20).split([torch.zeros(2, 3)])
+
+
+def _tiny_vlm() -> TinyVLM:
+    torch.manual_seed(0)
+    return TinyVLM(TinyVLMConfig(vocab_size=64, text_dim=32, vision_dim=16, max_text_len=160)).double()
+
+
+def test_gradient_equals_the_full_batch_on_a_long_tailed_vlm_batch() -> None:
+    """0-8 images, 8-128 text tokens: the split by tokens gives the full-batch gradient (fp64)."""
+    batch = collate_per_row_images(long_tailed_samples(16, max_text=128, seed=2))
+    batch["pixel_values"] = batch["pixel_values"].double()
+    model = _tiny_vlm()
+    reference = copy.deepcopy(model)
+    accumulate_gradients(reference, batch, micro_batch_size=16)
+    budget = TokenBudget(300)
+    accumulate_gradients(model, batch, budget)
+    assert budget.last["micro_batches"] >= 3
+    assert _relative(_grads(model), _grads(reference)) < 1e-10
+
+
+def test_saved_bytes_per_micro_batch_stay_within_the_budgets_share() -> None:
+    """Each micro-batch keeps no more for backward than the budget's share: N tokens of the costliest samples (what
+    the fixed micro-batch size that fits them keeps), although it holds more, shorter samples."""
+    samples = long_tailed_samples(24, max_text=128, seed=3)
+    batch = collate_per_row_images(samples)
+    model = _tiny_vlm().float()
+    per_image = image_token_cost(model)  # 9 patches: the placeholders are in input_ids already
+    costs = sample_costs(batch, per_image)
+    budget = TokenBudget(2 * max(costs), image_tokens=per_image)
+    costliest = sorted(range(len(samples)), key=lambda i: -costs[i])[:2]
+    share = saved_tensor_bytes(lambda: model(**collate_per_row_images([samples[i] for i in costliest])).loss)
+    peaks = [saved_tensor_bytes(lambda mb=mb: model(**mb).loss) for mb in budget.split(batch)]
+    assert max(peaks) <= share
+    assert budget.last["micro_batch_rows"] > 2  # short samples did go more than 2 at a time
+
+
+def _spec(**extra) -> TrainSpec:
+    return TrainSpec(max_steps=1, batch_size=8, device="cpu", optimizer={"name": "sgd", "lr": 1.0},
+                     log={"progress": False}, memory={"timeline_plot": False, "leak_check": False}, **extra)
+
+
+def _with_token_sizer(trainer: OptimizedTrainer) -> OptimizedTrainer:
+    """Stand-in for the loop line `self.micro_batching = build_sizer(spec, model, ...)` (issue 21 report)."""
+    sizer = build_sizer(trainer.spec, trainer.engine.module)
+    trainer.strategies[trainer.strategies.index(trainer.micro_batching)] = sizer
+    trainer.micro_batching = sizer
+    return trainer
+
+
+def test_through_the_trainer_same_update_and_reported() -> None:
+    data = TokenDataset(8, 24)
+    torch.manual_seed(0)
+    model = TinyCausalLM().double()
+    full = OptimizedTrainer(copy.deepcopy(model), data, _spec())
+    full.fit()
+    trainer = _with_token_sizer(OptimizedTrainer(model, data, _spec(micro_batch_tokens=48)))
+    result = trainer.fit()
+    row = result.history[-1]
+    assert row["micro_batches"] >= 3 and row["micro_batch_tokens"] <= 48
+    for ours, theirs in zip(trainer.engine.module.parameters(), full.engine.module.parameters(), strict=True):
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-12)
+    assert any("micro-batches by tokens: 48 tokens" in line for line in result.report.strategies)
+
+
+@pytest.mark.xfail(strict=True, reason="needs the loop to build its sizer with build_sizer(spec, model, ...): "
+                                       "issue 21 report; remove this mark once ported")
+def test_the_loop_builds_the_token_sizer() -> None:
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(8, 24), _spec(micro_batch_tokens=48))
+    assert isinstance(trainer.micro_batching, TokenBudgetSizer)
+
+
+def test_oom_fallback_halves_the_token_budget_and_keeps_the_gradient() -> None:
+    batch = token_batch(8, 24)
+    torch.manual_seed(0)
+    model = TinyCausalLM().double()
+    reference = copy.deepcopy(model)
+    accumulate_gradients(reference, batch, micro_batch_size=8)
+    sizer = TokenBudgetSizer(200, oom=OOMSpec(enabled=True, grow_after_steps=1))
+    with simulated_oom(2) as oom:  # more than 2 rows per forward "runs out of memory"
+        sizer.run(lambda size: accumulate_gradients(model, batch, size), cleanup=lambda: model.zero_grad())
+    assert oom.count >= 1 and sizer.budget.tokens < 200 and sizer.micro_batch_size <= 2
+    assert sizer.events[0]["reason"] == "out of memory"
+    assert _relative(_grads(model), _grads(reference)) < 1e-10
+    model.zero_grad()
+    sizer.run(lambda size: accumulate_gradients(model, batch, size), cleanup=lambda: model.zero_grad())
+    assert sizer.events[-1]["reason"] == "1 clean steps"  # grows back toward the configured budget

@@ -1,0 +1,653 @@
+"""Chunked linear cross-entropy: the language head and the loss, chunk by chunk, never the full ``[tokens, vocab]``.
+
+Usage in a hand-written loop::
+
+    hidden = model.model(input_ids=ids).last_hidden_state                 # [B, T, H]: the base model, no head
+    targets = shift_targets(labels)                                       # labels[t + 1] at t, -100 at the end
+    loss_sum = linear_cross_entropy(hidden, model.lm_head.weight, targets, reduction="sum")
+    (loss_sum / n_items).backward()
+
+    model = ChunkedLossModel.wrap(model)   # or the whole model: its forward returns the same loss, without logits
+
+Why: in VLM fine-tuning the largest activation is often the logits. At 4,096 tokens and Qwen2's 151,936-token
+vocabulary the fp32 logits take 2.5 GB, and a standard loss keeps a log-softmax of that size for backward (plus the
+upcast logits under bf16), while the hidden states they come from take 15 MB (vocab / hidden = 170x less).
+
+How: one autograd function. Forward computes, for a chunk of tokens at a time, the chunk's logits (``h @ W.T``,
+upcast to fp32 as Hugging Face's loss does), their log-sum-exp and the loss, then drops the chunk. It keeps for
+backward only what it was given (hidden states, head weight: alive anyway) plus one fp32 log-sum-exp per token.
+Backward recomputes each chunk's logits, turns them into the gradient of the loss in place (softmax minus one-hot)
+and accumulates the gradients of the hidden states and of the head weight chunk by chunk. The price is one more
+matmul of the head (recomputing the logits); the standard path's full-size softmax, its gradient and their page
+faults are gone, which on CPU pays for it (benchmarks/linear_cross_entropy.py). Tokens whose target is
+``ignore_index`` (padding, prompts) are skipped entirely. Soft-capping (Gemma 2/3), a logit scale (Cohere, Granite),
+z-loss and label smoothing are exact in both directions.
+
+On CUDA, an installed Liger kernel (``liger_kernel``) or Apple's Cut Cross-Entropy (``cut_cross_entropy``) can do the
+same work fused (``impl: auto | liger | cce``); ``describe()`` says which ran.
+
+The trainer uses it through :class:`LinearCrossEntropy` (the ``linear_cross_entropy`` spec section): the model's
+forward is replaced on the instance (parameters, names and ``state_dict`` unchanged) by one that runs the base model
+for the hidden states and this loss on the head's weight, with the model's own label shift and its own
+``num_items_in_batch`` division, so gradient accumulation weights it exactly like the model's own loss. Supported:
+Hugging Face causal LMs and VLMs whose loss is ``ForCausalLMLoss`` (checked once against the model's own logits on
+the first batch), vlmfast's tiny VLM, and any model exposing ``hidden_states_for_loss(**batch)`` and
+``get_output_embeddings()``. Anything else is refused with what to do instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vlmfast.sections import Field, Section
+from vlmfast.strategies.base import Strategy
+from vlmfast.utils import unwrap_model
+
+__all__ = [
+    "ChunkedLossModel",
+    "LinearCrossEntropy",
+    "LinearCrossEntropySpec",
+    "head_transform",
+    "linear_cross_entropy",
+    "resolve_impl",
+    "shift_targets",
+]
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+Impl = Literal["auto", "torch", "liger", "cce"]
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk: few passes over the head weight, small next to the rest
+VERIFY_POSITIONS = 4  # positions whose logits are compared with the model's own, once
+
+
+class LinearCrossEntropySpec(Section):
+    """Chunked linear cross-entropy: the head and the loss chunk by chunk, never the full logits."""
+
+    enabled: bool = Field(False, description="compute the language head and the loss in chunks of tokens (the model's "
+                          "forward then returns the loss without logits); gradients equal the standard loss")
+    chunk_tokens: int | None = Field(
+        None, ge=1, description="tokens per chunk; default: as many as keep a chunk's fp32 logits under 256 MiB")
+    impl: Impl = Field("auto", description="torch: pure PyTorch, any device; liger / cce: the fused CUDA kernels of "
+                       "liger_kernel / cut_cross_entropy (must be installed); auto: cce, then liger on CUDA when "
+                       "installed, else torch")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="label smoothing (as F.cross_entropy's); the "
+                                   "model's own loss has none, so leave 0 to train the same objective")
+    z_loss: float = Field(0.0, ge=0, description="z-loss weight: adds z_loss * logsumexp(logits)^2 per token (PaLM)")
+    verify: bool = Field(True, description="on the first batch, compare the head's logits on a few positions with "
+                         "the model's own forward (catches a logit transform the model applies that this path lacks)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the plain function
+
+
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a model does to ``h @ W.T (+ b)`` before its loss: multiply by ``scale``, then soft-cap (Gemma 2/3).
+
+    Usage: ``HeadTransform(scale=1.0, softcap=30.0)``
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class _Options:
+    ignore_index: int
+    chunk_tokens: int
+    transform: HeadTransform
+    label_smoothing: float
+    z_loss: float
+
+
+def shift_targets(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Targets of a causal LM: ``labels[..., t + 1]`` at position t, ``ignore_index`` at the last position.
+
+    Usage: ``targets = shift_targets(batch["labels"])`` (Hugging Face's ForCausalLMLoss shift)
+    """
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def auto_chunk_tokens(vocab: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take at most ``budget_bytes`` (at least 16 tokens)."""
+    return max(16, budget_bytes // (4 * vocab))
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: Literal["sum", "mean"] = "sum",
+    chunk_tokens: int | None = None,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    impl: Impl = "torch",
+) -> Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, computed chunk by chunk.
+
+    Usage: ``loss = linear_cross_entropy(hidden, lm_head.weight, shift_targets(labels), reduction="mean")``
+
+    ``hidden`` [..., H] and ``targets`` [...] (already shifted for a causal LM: :func:`shift_targets`); ``weight``
+    [V, H]. Returns the fp32 loss summed over the tokens whose target is not ``ignore_index`` (``reduction="sum"``)
+    or their mean. The logits are ``logit_scale * (hidden @ weight.T + bias)``, soft-capped as
+    ``softcap * tanh(logits / softcap)`` when ``softcap`` is set, in fp32 (fp64 inputs stay fp64). Never holds more
+    than ``chunk_tokens`` rows of logits; keeps one fp32 log-sum-exp per token for backward. ``impl`` 'liger' or
+    'cce' runs those libraries' fused CUDA kernels instead ('auto' picks one, see :func:`resolve_impl`).
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree: hidden is "
+                         "[..., H] and targets [...] with the same leading shape (shift the labels first)")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [vocab, {hidden.shape[-1]}]")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).to(hidden.device)
+    chosen = resolve_impl(impl, hidden.device)
+    if chosen == "torch":
+        chunk = chunk_tokens or auto_chunk_tokens(weight.shape[0])
+        options = _Options(ignore_index, chunk, HeadTransform(logit_scale, softcap), label_smoothing, z_loss)
+        total = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, options)
+    else:
+        total = _fused_kernel(chosen, flat_hidden, weight, bias, flat_targets, ignore_index, softcap, logit_scale,
+                              label_smoothing, z_loss)
+    if reduction == "mean":
+        return total / (flat_targets != ignore_index).sum().clamp(min=1)
+    return total
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _ChunkLogits:
+    """One reused ``[chunk, vocab]`` buffer for the logits of every chunk.
+
+    Reused, not reallocated: a fresh buffer of this size is a fresh mmap on CPU (a page fault per 4 KiB, every chunk)
+    and a fresh block for the CUDA caching allocator to find.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, transform: HeadTransform, dtype: torch.dtype,
+                 rows: int) -> None:
+        self.weight, self.bias, self.transform, self.dtype = weight, bias, transform, dtype
+        self.buffer = torch.empty(rows, weight.shape[0], dtype=dtype, device=weight.device)
+
+    def raw(self, hidden: Tensor) -> Tensor:
+        """``hidden @ W.T (+ b)``, times the model's logit scale, in the compute dtype: the matmul in the head's
+        dtype as the model's head runs it, then upcast as Hugging Face's loss upcasts."""
+        out = self.buffer[: hidden.shape[0]]
+        if hidden.dtype == self.dtype and self.weight.dtype == self.dtype:
+            if self.bias is None:
+                torch.mm(hidden, self.weight.t(), out=out)
+            else:
+                torch.addmm(self.bias.to(self.dtype), hidden, self.weight.t(), out=out)
+        else:
+            out.copy_(F.linear(hidden, self.weight, self.bias))
+        if self.transform.scale != 1.0:
+            out.mul_(self.transform.scale)
+        return out
+
+    def capped(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(the logits the loss sees, tanh(raw / softcap) or None); the first is the buffer unless soft-capped."""
+        out = self.raw(hidden)
+        cap = self.transform.softcap
+        if cap is None:
+            return out, None
+        tanh = out.div_(cap).tanh_()
+        return tanh * cap, tanh
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, transform: HeadTransform,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """(logits as the loss sees them, tanh of the capped logits or None) of a few rows, in a buffer of their own."""
+    return _ChunkLogits(weight, bias, transform, dtype, hidden.reshape(-1, hidden.shape[-1]).shape[0]).capped(
+        hidden.reshape(-1, hidden.shape[-1]))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed token loss of ``hidden @ weight.T``; saves the inputs and one log-sum-exp per kept token."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                opts: _Options) -> Tensor:
+        dtype = _compute_dtype(hidden.dtype)
+        keep = (targets != opts.ignore_index).nonzero().squeeze(1)  # one host read: the count of kept tokens
+        kept_targets = targets[keep]
+        lse = torch.empty(keep.numel(), dtype=dtype, device=hidden.device)
+        total = torch.zeros((), dtype=dtype, device=hidden.device)
+        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)))
+        eps = opts.label_smoothing
+        for start in range(0, keep.numel(), opts.chunk_tokens):
+            rows = keep[start:start + opts.chunk_tokens]
+            logits, _ = chunks.capped(hidden[rows])
+            target = kept_targets[start:start + rows.numel()]
+            loss = -logits.gather(1, target[:, None]).squeeze(1)
+            if eps:
+                loss = (1 - eps) * loss - eps * logits.mean(dim=1)
+            # log-sum-exp in place: max, exp(logits - max), sum (no chunk-sized temporaries)
+            top = logits.amax(dim=1)
+            chunk_lse = top + logits.sub_(top[:, None]).exp_().sum(dim=1).log_()
+            lse[start:start + rows.numel()] = chunk_lse
+            loss += chunk_lse
+            if opts.z_loss:
+                loss += opts.z_loss * chunk_lse.square()
+            total += loss.sum()
+        ctx.save_for_backward(hidden, weight, bias, keep, kept_targets, lse)
+        ctx.opts = opts
+        return total.float() if dtype != torch.float64 else total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, keep, kept_targets, lse = ctx.saved_tensors
+        opts: _Options = ctx.opts
+        dtype = lse.dtype
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        # fp32 accumulation over chunks (the standard path reduces over all tokens in one fp32-accumulating matmul)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_bias else None
+        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)))
+        eps = opts.label_smoothing
+        for start in range(0, keep.numel(), opts.chunk_tokens):
+            rows = keep[start:start + opts.chunk_tokens]
+            chunk_hidden = hidden[rows]
+            chunk_lse = lse[start:start + rows.numel()]
+            # d loss / d logits = softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V (times the upstream gradient,
+            # applied once to the results below rather than to every chunk)
+            logits, tanh = chunks.capped(chunk_hidden)
+            grad = logits.sub_(chunk_lse[:, None]).exp_()
+            if opts.z_loss:
+                grad.mul_((1 + 2 * opts.z_loss * chunk_lse)[:, None])
+            if eps:
+                grad.sub_(eps / weight.shape[0])
+            target = kept_targets[start:start + rows.numel()]
+            grad[torch.arange(rows.numel(), device=grad.device), target] -= 1 - eps
+            if tanh is not None:  # through softcap * tanh(z / softcap): times 1 - tanh^2
+                grad.mul_(tanh.square_().neg_().add_(1))
+            if opts.transform.scale != 1.0:
+                grad.mul_(opts.transform.scale)
+            if grad_hidden is not None:  # in the head's dtype, as the standard backward runs it
+                grad_hidden[rows] = grad.to(weight.dtype) @ weight
+            if grad_weight is not None:  # in fp32 (fp64): no rounding between chunks
+                grad_weight.addmm_(grad.t(), chunk_hidden.to(dtype))
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+            del logits, grad
+        scale = grad_total.to(dtype)
+        for grad in (grad_hidden, grad_weight, grad_bias):
+            if grad is not None:
+                grad.mul_(scale.to(grad.dtype))
+        return (grad_hidden, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None)
+
+
+def _cast(grad: Tensor | None, like: Tensor | None) -> Tensor | None:
+    return None if grad is None or like is None else grad.to(like.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fused CUDA kernels (Liger, Cut Cross-Entropy)
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The implementation that runs: 'torch', 'liger' or 'cce'.
+
+    Usage: ``resolve_impl("auto", torch.device("cuda"))`` -> 'cce' when cut_cross_entropy is installed
+
+    'auto' takes Cut Cross-Entropy, then Liger, on CUDA when installed, else the pure-PyTorch path. Asking for
+    'liger' or 'cce' where it cannot run is an error that says why.
+    """
+    if impl not in ("auto", "torch", "liger", "cce"):
+        raise ValueError(f"linear_cross_entropy.impl must be auto, torch, liger or cce, got {impl!r}")
+    packages = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+    if impl == "auto":
+        if device.type == "cuda":
+            for name in ("cce", "liger"):
+                if _installed(packages[name]):
+                    return name
+        return "torch"
+    if impl == "torch":
+        return impl
+    if device.type != "cuda":
+        raise ValueError(f"linear_cross_entropy.impl '{impl}' runs Triton kernels on CUDA only; this runs on "
+                         f"{device.type}: use impl: torch (or auto)")
+    if not _installed(packages[impl]):
+        raise ValueError(f"linear_cross_entropy.impl '{impl}' needs the {packages[impl]} package: pip install "
+                         f"{packages[impl].replace('_', '-')}, or use impl: torch (or auto)")
+    return impl
+
+
+def _fused_kernel(impl: str, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int,
+                  softcap: float | None, logit_scale: float, label_smoothing: float, z_loss: float) -> Tensor:
+    """Summed loss by Liger's or CCE's kernel (their signatures: liger_kernel/transformers/functional.py
+    `liger_fused_linear_cross_entropy`; cut_cross_entropy/linear_cross_entropy.py `linear_cross_entropy`)."""
+    if logit_scale != 1.0:
+        # Scaling the hidden states scales the logits the same way (bias aside), so both kernels can take it.
+        if bias is not None:
+            raise ValueError("linear_cross_entropy: a logit scale with a head bias needs impl: torch")
+        hidden = hidden * logit_scale
+    if impl == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return liger_fused_linear_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=ignore_index,
+                                                lse_square_scale=z_loss, label_smoothing=label_smoothing,
+                                                reduction="sum", softcap=softcap)
+    if label_smoothing or z_loss:
+        raise ValueError("linear_cross_entropy: Cut Cross-Entropy has no label smoothing or z-loss; use impl: liger "
+                         "or torch")
+    from cut_cross_entropy import linear_cross_entropy as cce_linear_cross_entropy
+
+    return cce_linear_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=ignore_index, softcap=softcap,
+                                    reduction="sum", impl="cce")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a whole model: its forward returns the chunked loss
+
+
+@dataclass
+class ChunkedLossOutput:
+    """What a wrapped model returns when given labels: the loss, and no logits (they were never materialised)."""
+
+    loss: Tensor
+    logits: None = None
+
+
+def head_transform(model: nn.Module) -> HeadTransform:
+    """The logit transform a Hugging Face model applies after its head, read from its config.
+
+    Usage: ``head_transform(gemma2)`` -> ``HeadTransform(scale=1.0, softcap=30.0)``
+
+    Gemma 2/3's ``final_logit_softcapping``, Cohere's ``logit_scale`` (multiplies), Granite's ``logits_scaling``
+    (divides). Checked against the model's own logits on the first batch (``verify``), since a config cannot say
+    everything a forward does.
+    """
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = 1.0
+    if isinstance(getattr(model, "logit_scale", None), (int, float)):
+        scale *= float(model.logit_scale)
+    elif isinstance(getattr(text, "logit_scale", None), (int, float)):
+        scale *= float(text.logit_scale)
+    if isinstance(getattr(text, "logits_scaling", None), (int, float)) and text.logits_scaling:
+        scale /= float(text.logits_scaling)
+    softcap = getattr(text, "final_logit_softcapping", None)
+    return HeadTransform(scale, float(softcap) if softcap else None)
+
+
+@dataclass
+class _Source:
+    """How to get a model's hidden states and head, and what its loss does with them."""
+
+    kind: str  # "hugging face" or "hidden_states_for_loss"
+    hidden: Callable[[dict[str, Any]], Tensor]
+    head: nn.Module
+    transform: HeadTransform
+    shift: bool
+    make_output: Callable[[Tensor], Any]
+    base: nn.Module | None = None  # HF: the base model (its output is the head's input)
+
+
+def _refuse(model: nn.Module, why: str) -> ValueError:
+    return ValueError(
+        f"linear_cross_entropy: {type(model).__name__} {why}. Supported: Hugging Face causal LMs and VLMs with the "
+        "standard ForCausalLM loss, vlmfast's tiny VLM, and models with hidden_states_for_loss(**batch) and "
+        "get_output_embeddings(). Otherwise set linear_cross_entropy.enabled: false, or call "
+        "vlmfast.hooks.linear_cross_entropy(hidden, head.weight, targets) in your own loss_fn")
+
+
+def _head_of(model: nn.Module) -> nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise _refuse(model, "has no output embeddings (get_output_embeddings() with a [vocab, hidden] weight)")
+    return head
+
+
+def _hf_source(model: nn.Module) -> _Source:
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if getattr(model, "_loss_function", None) is not None:
+        raise _refuse(model, "has its own loss_function set")
+    loss_type = getattr(model, "loss_type", None)
+    if LOSS_MAPPING.get(loss_type) is not ForCausalLMLoss:
+        raise _refuse(model, f"has loss_type {loss_type!r}, not the causal-LM loss")
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(base, nn.Module) or base is model:
+        raise _refuse(model, "has no base model to run for hidden states")
+    accepts = inspect.signature(base.forward).parameters
+
+    def hidden(inputs: dict[str, Any]) -> Tensor:
+        if "use_cache" in accepts and "use_cache" not in inputs:
+            inputs = {**inputs, "use_cache": False}  # no KV cache: nothing will be generated
+        out = base(**inputs)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    return _Source("hugging face", hidden, _head_of(model), head_transform(model), True,
+                   lambda loss: CausalLMOutputWithPast(loss=loss, logits=None), base)
+
+
+def _protocol_source(model: nn.Module) -> _Source:
+    shift = getattr(model, "loss_shifts_labels", None)
+    if shift is None:
+        raise _refuse(model, "has hidden_states_for_loss but does not declare loss_shifts_labels (True or False)")
+    transform = getattr(model, "loss_logit_transform", HeadTransform())
+    return _Source("hidden_states_for_loss", lambda inputs: model.hidden_states_for_loss(**inputs), _head_of(model),
+                   transform, bool(shift), lambda loss: ChunkedLossOutput(loss=loss))
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+
+
+def _source(model: nn.Module) -> _Source:
+    if hasattr(model, "hidden_states_for_loss"):
+        return _protocol_source(model)
+    if _is_hf(model):
+        return _hf_source(model)
+    raise _refuse(model, "is neither a Hugging Face model nor has hidden_states_for_loss(**batch)")
+
+
+_DROPPED = ("labels", "num_items_in_batch", "shift_labels", "logits_to_keep", "return_dict")
+
+
+@dataclass
+class ChunkedLossModel:
+    """The state behind a model whose forward was replaced by :func:`apply_linear_cross_entropy`.
+
+    Usage: ``state = apply_linear_cross_entropy(model); state.impl, state.verified`` (also ``model._vlmfast_lce``)
+    """
+
+    source: _Source
+    original: Callable[..., Any]
+    signature: inspect.Signature
+    chunk_tokens: int
+    impl: str
+    label_smoothing: float
+    z_loss: float
+    verify: bool
+    verified: str = "not yet"  # "yes", "not yet", or why it could not be checked
+    calls: int = 0
+
+    @classmethod
+    def wrap(cls, model: nn.Module, **options: Any) -> nn.Module:
+        """``apply_linear_cross_entropy(model, **options)`` returning the model (for one-line use)."""
+        apply_linear_cross_entropy(model, **options)
+        return model
+
+    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name (positional ones bound to the original forward's signature)."""
+        if not args:
+            return dict(kwargs)
+        bound = self.signature.bind_partial(*args, **kwargs)
+        named: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                raise ValueError("linear_cross_entropy: the model takes *args; call it with keyword arguments")
+            else:
+                named[name] = value
+        return named
+
+    def loss(self, inputs: dict[str, Any]) -> Any:
+        labels = inputs.pop("labels")
+        num_items = inputs.pop("num_items_in_batch", None)
+        shifted = inputs.pop("shift_labels", None)
+        for key in _DROPPED:
+            inputs.pop(key, None)
+        if self.verify and self.verified == "not yet":
+            self.verified = self._check(inputs)
+        self.calls += 1
+        hidden = self.source.hidden(inputs)
+        if shifted is None:
+            shifted = shift_targets(labels) if self.source.shift else labels
+        targets = shifted
+        head = self.source.head
+        t = self.source.transform
+        total = linear_cross_entropy(
+            hidden, head.weight, targets.to(hidden.device), bias=getattr(head, "bias", None), reduction="sum",
+            chunk_tokens=self.chunk_tokens, softcap=t.softcap, logit_scale=t.scale,
+            label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl)
+        if num_items is not None:  # the model's own convention: sum / num_items_in_batch (HF's fixed_cross_entropy)
+            divisor = num_items.to(total.device) if isinstance(num_items, Tensor) else num_items
+        else:
+            divisor = (targets != IGNORE_INDEX).sum().clamp(min=1).to(total.device)
+        return self.source.make_output(total / divisor)
+
+    def _check(self, inputs: dict[str, Any]) -> str:
+        """Compare the head on the base model's hidden states with the model's own logits on a few positions."""
+        if self.source.base is None:
+            return "not needed (the model declares hidden_states_for_loss)"
+        params = self.signature.parameters
+        if "logits_to_keep" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return "not checked (the forward takes no logits_to_keep)"
+        captured: dict[str, Tensor] = {}
+
+        def grab_hidden(_module: nn.Module, _args: Any, output: Any) -> None:
+            captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+        handle = self.source.base.register_forward_hook(grab_hidden)
+        try:
+            with torch.no_grad():
+                logits = self.original(**inputs, logits_to_keep=VERIFY_POSITIONS).logits
+        finally:
+            handle.remove()
+        hidden = captured["hidden"][:, -VERIFY_POSITIONS:]
+        head = self.source.head
+        with torch.no_grad():
+            ours, _ = _chunk_logits(hidden, head.weight, getattr(head, "bias", None), self.source.transform,
+                                    _compute_dtype(hidden.dtype))
+        theirs = logits.to(ours.dtype).reshape(ours.shape)
+        tolerance = 1e-4 if hidden.dtype in (torch.float32, torch.float64) else 3e-2
+        error = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-6))
+        if not math.isfinite(error) or error > tolerance:
+            raise ValueError(
+                f"linear_cross_entropy: {type(unwrap_model(head)).__name__} on the base model's hidden states does not "
+                f"give the model's own logits (relative difference {error:.2e}): the model transforms hidden states "
+                f"or logits in a way vlmfast does not know ({self.source.transform}). Set "
+                "linear_cross_entropy.enabled: false, or compute the loss in your own loss_fn with "
+                "vlmfast.hooks.linear_cross_entropy")
+        return "yes"
+
+    def describe(self) -> str:
+        t = self.source.transform
+        extras = [f"softcap {t.softcap:g}"] if t.softcap else []
+        extras += [f"logit scale {t.scale:g}"] if t.scale != 1.0 else []
+        extras += [f"label smoothing {self.label_smoothing:g}"] if self.label_smoothing else []
+        extras += [f"z-loss {self.z_loss:g}"] if self.z_loss else []
+        chunks = f"chunks of {self.chunk_tokens} tokens" if self.impl == "torch" else "fused kernel"
+        extra = f", {', '.join(extras)}" if extras else ""
+        return (f"linear cross-entropy: {self.impl} ({chunks}{extra}), logits never materialised; "
+                f"{self.source.kind} model; checked against its own logits: {self.verified}")
+
+
+def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Replacement ``forward``: the chunked loss when labels are given, the original forward otherwise."""
+    state: ChunkedLossModel = self._vlmfast_lce
+    inputs = state.inputs(args, kwargs)
+    if inputs.get("labels") is None:
+        return state.original(*args, **kwargs)
+    return state.loss(inputs)
+
+
+def apply_linear_cross_entropy(
+    model: nn.Module,
+    *,
+    chunk_tokens: int | None = None,
+    impl: Impl = "auto",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    verify: bool = True,
+) -> ChunkedLossModel:
+    """Make ``model(**batch)`` with labels return the chunked loss (same value and gradients, no logits).
+
+    Usage: ``state = apply_linear_cross_entropy(model); loss = model(**batch).loss; state.describe()``
+
+    The forward is replaced on the instance (parameters, names and ``state_dict`` unchanged; calling it twice
+    re-configures). Without labels the original forward runs (generation, logits). ``num_items_in_batch`` is
+    honoured as the model's own loss honours it.
+    """
+    source = _source(model)
+    previous: ChunkedLossModel | None = getattr(model, "_vlmfast_lce", None)
+    original = previous.original if previous is not None else model.forward
+    weight = source.head.weight
+    state = ChunkedLossModel(
+        source=source, original=original, signature=inspect.signature(original),
+        chunk_tokens=chunk_tokens or auto_chunk_tokens(weight.shape[0]),
+        impl=resolve_impl(impl, weight.device), label_smoothing=label_smoothing, z_loss=z_loss, verify=verify)
+    model._vlmfast_lce = state
+    model.forward = types.MethodType(_chunked_forward, model)
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the trainer strategy
+
+
+class LinearCrossEntropy(Strategy):
+    """The ``linear_cross_entropy`` spec section as a trainer strategy.
+
+    Usage: ``model = LinearCrossEntropy(spec.linear_cross_entropy).apply(model)``
+    """
+
+    name = "linear_cross_entropy"
+
+    def __init__(self, spec: LinearCrossEntropySpec) -> None:
+        self.spec = spec
+        self.state: ChunkedLossModel | None = None
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        if self.spec.enabled:
+            s = self.spec
+            self.state = apply_linear_cross_entropy(model, chunk_tokens=s.chunk_tokens, impl=s.impl,
+                                                    label_smoothing=s.label_smoothing, z_loss=s.z_loss,
+                                                    verify=s.verify)
+        return model
+
+    def describe(self) -> str:
+        return self.state.describe() if self.state is not None else ""

@@ -1,0 +1,380 @@
+"""Micro-batches by token budget: each optimizer batch cut into micro-batches whose padded size stays under N tokens.
+
+Usage in a hand-written loop::
+
+    budget = TokenBudget(tokens=4096, image_tokens=image_token_cost(model, in_input_ids=False))
+    for micro in split_by_tokens(batch, budget):          # longest samples first, each micro-batch trimmed
+        loss = model(**micro).loss * n_items(micro) / n_items(batch)   # weighted by its share of loss tokens
+        loss.backward()
+
+    loss = accumulate_gradients(model, batch, TokenBudget(4096))   # vlmfast.hooks: the same, exact weighting
+
+VLM samples range from 10 to 8K tokens and 0 to 8 images. A fixed number of samples per micro-batch must be small
+enough for the longest ones, and then wastes the device on the short ones (and every micro-batch of a padded batch
+still pays the batch's longest length). Here a micro-batch's cost is its padded length times its rows, and
+micro-batches are filled longest first until the next sample would push the cost over the budget: long samples go a
+few at a time, short ones many at a time, and each micro-batch is trimmed to its own longest sample. An image costs
+its placeholder tokens plus the vision tower's patches (:func:`image_token_cost`), since the tower keeps activations
+per patch too. Packed rows (``packing``) cost their width. A sample longer than the budget runs alone (it cannot be
+split): ``describe()`` and the step metrics say so.
+
+The gradient stays the full-batch gradient: gradient accumulation weights each micro-batch by its share of loss
+tokens, counted per micro-batch, whatever the split (``vlmfast.strategies.accumulation``); ranks agree on the number
+of micro-batches and pad with zero-weight ones (``AccumulationPlan.padding``). The out-of-memory fallback halves N
+and retries the batch; after a run of clean steps it doubles N back, up to the configured budget.
+
+Reported per step: ``micro_batches`` and ``micro_batch_tokens`` (the largest padded cost), ``micro_batch_rows``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from vlmfast.engines.collectives import agree_max
+from vlmfast.strategies.base import Step, Strategy
+from vlmfast.utils import unwrap_model
+
+__all__ = [
+    "TokenBudget",
+    "TokenBudgetSizer",
+    "build_sizer",
+    "image_token_cost",
+    "plan_token_micro_batches",
+    "sample_costs",
+    "split_by_tokens",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Keys laid out [B, T, ...] (token keys) besides any tensor shaped like input_ids; trimmed with the sequence.
+TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "token_type_ids", "shift_labels",
+              "mm_token_type_ids", "cross_attention_mask")
+COUNT_SUFFIX = "_per_row"  # packing's images_per_row / <key>_per_row: how many of [B, K, ...] are real
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# costs and the plan
+
+
+def sample_costs(batch: Mapping[str, Any], image_tokens: int = 0) -> list[int]:
+    """Tokens each row of a collated batch costs: real tokens (``attention_mask``; a packed or unmasked row: its
+    width) plus ``image_tokens`` per image (:func:`image_token_cost`: vision-tower patches, prepended tokens).
+
+    Usage: ``sample_costs(batch, image_tokens=9)`` -> ``[57, 12, ...]``
+    """
+    ids = batch.get("input_ids")
+    if not isinstance(ids, Tensor) or ids.dim() != 2:
+        raise ValueError("micro_batch_tokens needs a collated batch with 'input_ids' [rows, tokens] to measure "
+                         "sample lengths (dict batches only)")
+    mask = batch.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.shape == ids.shape:
+        costs = mask.ne(0).sum(dim=1)
+    else:
+        costs = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
+    if image_tokens:
+        costs = costs + image_tokens * _images_per_row(batch, ids.shape[0])
+    return [int(c) for c in costs.tolist()]
+
+
+def _images_per_row(batch: Mapping[str, Any], rows: int) -> Tensor:
+    counts = batch.get("images_per_row")
+    if isinstance(counts, Tensor):
+        return counts.long()
+    pixels = batch.get("pixel_values")
+    if isinstance(pixels, Tensor) and pixels.shape[0] == rows:
+        return torch.ones(rows, dtype=torch.long)
+    return torch.zeros(rows, dtype=torch.long)
+
+
+def plan_token_micro_batches(costs: Sequence[int], max_tokens: int, max_rows: int | None = None) -> list[list[int]]:
+    """Row indices of each micro-batch: longest first, each filled while rows x its longest cost <= ``max_tokens``.
+
+    Usage: ``plan_token_micro_batches([900, 20, 30, 400], 1000)`` -> ``[[0], [3, 2], [1]]``
+
+    A row costing more than ``max_tokens`` gets a micro-batch of its own. Deterministic: ties keep batch order.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(costs)), key=lambda i: -costs[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        longest = costs[group[0]] if group else 0
+        fits = group is not None and (len(group) + 1) * longest <= max_tokens
+        if fits and (max_rows is None or len(group) < max_rows):
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cutting a collated batch
+
+
+def _select(batch: Mapping[str, Any], rows: list[int], columns: slice) -> dict[str, Any]:
+    """Rows ``rows`` of every per-row entry, token keys cut to ``columns``, per-row image slots to the rows' most."""
+    ids = batch["input_ids"]
+    b, t = ids.shape
+    index = torch.tensor(rows, dtype=torch.long)
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, Tensor):
+            out[key] = _select_tensor(key, value, index, columns, (b, t), batch)
+        elif isinstance(value, (list, tuple)) and len(value) == b:
+            out[key] = type(value)(value[i] for i in rows)  # per-sample list (captions, ids)
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            out[key] = value
+        else:
+            raise ValueError(f"micro_batch_tokens cannot split batch key '{key}' ({type(value).__name__}): per-row "
+                             f"tensors [rows, ...] and per-sample lists of {b} are split; drop it in collate_fn")
+    return out
+
+
+def _select_tensor(key: str, value: Tensor, index: Tensor, columns: slice, shape: tuple[int, int],
+                   batch: Mapping[str, Any]) -> Tensor:
+    b, t = shape
+    if value.dim() == 0:
+        return value
+    index = index.to(value.device)
+    if key == "position_ids" and value.dim() == 3 and value.shape[1:] == (b, t):  # mRoPE [C, B, T]
+        return value.index_select(1, index)[:, :, columns]
+    if value.shape[0] != b:
+        raise ValueError(
+            f"micro_batch_tokens cannot split batch key '{key}' of shape {tuple(value.shape)}: its first dimension is "
+            f"not the batch's {b} rows (e.g. images flattened across samples). Lay it out per row ([rows, images, "
+            f"...] with images_per_row, as packing's per_row layout does) or use micro_batch_size")
+    rows = value.index_select(0, index)
+    if value.dim() >= 2 and value.shape[1] == t and (key in TOKEN_KEYS or value.shape[:2] == (b, t)):
+        return rows[:, columns]
+    counts = batch.get("images_per_row" if key == "pixel_values" else f"{key}{COUNT_SUFFIX}")
+    if isinstance(counts, Tensor) and value.dim() >= 3:  # per-row images [B, K, ...]: the rows' most, at least 1
+        return rows[:, : max(int(counts.index_select(0, index.to(counts.device)).max()), 1)]
+    return rows
+
+
+def _columns(batch: Mapping[str, Any], rows: list[int]) -> slice:
+    """The columns any of ``rows`` uses: right or left padding beyond them is cut (packed rows keep all)."""
+    mask = batch.get("attention_mask")
+    ids = batch["input_ids"]
+    if not isinstance(mask, Tensor) or mask.shape != ids.shape:
+        return slice(None)
+    used = mask[rows].ne(0).any(dim=0).nonzero().squeeze(1)
+    if used.numel() == 0:
+        return slice(0, 1)
+    return slice(int(used[0]), int(used[-1]) + 1)
+
+
+def split_by_tokens(batch: Mapping[str, Any], budget: TokenBudget | int) -> list[dict[str, Any]]:
+    """Cut a collated batch into micro-batches that each cost at most ``budget`` tokens (longest first, trimmed).
+
+    Usage: ``micro_batches = split_by_tokens(batch, TokenBudget(4096, image_tokens=9))``
+
+    Rows are gathered (a copy, unlike ``split_batch``'s views: micro-batches are not contiguous slices), token keys
+    are cut to the micro-batch's own columns (right or left padding), per-row images to its largest image count.
+    """
+    budget = budget if isinstance(budget, TokenBudget) else TokenBudget(int(budget))
+    return budget.split(batch)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the size object the sizer hands to the accumulation plan
+
+
+@dataclass
+class TokenBudget:
+    """A micro-batch size in tokens: what ``GradientAccumulation.plan`` splits by when handed this instead of an int.
+
+    Usage: ``TokenBudget(tokens=4096, max_rows=16, image_tokens=9).split(batch)``
+    """
+
+    tokens: int
+    max_rows: int | None = None  # micro_batch_size as a cap on rows, if set
+    image_tokens: int = 0  # charged per image beyond input_ids: see image_token_cost
+    last: dict[str, Any] = field(default_factory=dict)  # the last split: micro_batches, max tokens, rows
+
+    def split(self, batch: Any) -> list[dict[str, Any]]:
+        """Micro-batches of ``batch`` (a dict of tensors), each costing at most ``tokens`` unless a row alone does."""
+        if not isinstance(batch, Mapping):
+            raise ValueError(f"micro_batch_tokens splits dict batches (a collate_fn returning a dict of tensors); "
+                             f"got a {type(batch).__name__}: use micro_batch_size")
+        costs = sample_costs(batch, self.image_tokens)
+        groups = plan_token_micro_batches(costs, self.tokens, self.max_rows)
+        micro_batches = [_select(batch, group, _columns(batch, group)) for group in groups]
+        padded = [len(group) * costs[group[0]] for group in groups]
+        self.last = {"micro_batches": len(groups), "micro_batch_tokens": max(padded),
+                     "micro_batch_rows": max(len(g) for g in groups),
+                     "real_tokens": sum(costs), "over_budget": sum(costs[g[0]] > self.tokens for g in groups)}
+        return micro_batches
+
+    def halved(self) -> TokenBudget:
+        """Half the budget (the OOM fallback's retry size); rows capped as before."""
+        return TokenBudget(max(self.tokens // 2, 1), self.max_rows, self.image_tokens)
+
+    def grown(self, limit: int) -> TokenBudget:
+        """Twice the budget, at most ``limit`` (growing back after clean steps)."""
+        return TokenBudget(min(self.tokens * 2, limit), self.max_rows, self.image_tokens)
+
+    @property
+    def at_minimum(self) -> bool:
+        """Halving cannot help: every micro-batch of the last split already held a single row."""
+        return bool(self.last) and self.last["micro_batch_rows"] <= 1
+
+    def __str__(self) -> str:
+        rows = f", at most {self.max_rows} rows" if self.max_rows else ""
+        return f"{self.tokens} tokens{rows}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the sizer: what the loop's micro_batching.run calls
+
+
+class TokenBudgetSizer(Strategy):
+    """Hands the step a :class:`TokenBudget`; with ``oom`` on, halves it on OOM (ranks agree) and grows it back.
+
+    Usage: ``sizer = TokenBudgetSizer(4096); loss, plan = sizer.run(lambda size: train_step(batch, size), cleanup)``
+
+    It replaces the micro-batch-size sizer (``FixedMicroBatchSize`` / ``OOMFallback``) when ``micro_batch_tokens``
+    is set: the loop builds it with :func:`build_sizer`.
+    """
+
+    name = "micro_batch_tokens"
+
+    def __init__(self, tokens: int, *, max_rows: int | None = None, image_tokens: int = 0, oom: Any = None,
+                 describe_memory: Callable[[], str] | None = None, on_oom: Callable[[], None] | None = None) -> None:
+        self.configured = tokens
+        self.budget = TokenBudget(tokens, max_rows, image_tokens)
+        self.oom = oom if oom is not None and oom.enabled else None
+        self.grow_after = oom.grow_after_steps if self.oom is not None else None
+        self.clean_steps = 0
+        self.events: list[dict[str, Any]] = []
+        self.describe_memory = describe_memory or (lambda: "")
+        self.on_oom = on_oom
+        self._seen = {"micro_batches": 0, "steps": 0, "over_budget": 0}
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Rows of the largest micro-batch of the last step (what the loop reports as micro_batch_size)."""
+        return int(self.budget.last.get("micro_batch_rows", self.budget.max_rows or 0))
+
+    def run(self, attempt: Callable[[TokenBudget], T], cleanup: Callable[[], None]) -> T:
+        """``attempt(budget)`` until it finishes without OOM on every rank (or at once, without the fallback)."""
+        if self.oom is None:
+            return attempt(self.budget)
+        from vlmfast.strategies.oom import FAILED, OK, OOM, free_memory, is_oom_error  # shared OOM plumbing
+
+        self._maybe_grow()
+        while True:
+            status, error = OK, None
+            try:
+                result = attempt(self.budget)
+            except Exception as exc:
+                status, error = (OOM, None) if is_oom_error(exc) else (FAILED, exc)
+            worst = agree_max(status)  # every rank joins, so no peer waits for one about to raise
+            if error is not None:
+                raise error
+            if worst == FAILED:
+                raise RuntimeError("another rank failed during forward/backward (its traceback shows why); "
+                                   "stopping this rank too")
+            if worst == OK:
+                self.clean_steps += 1
+                return result
+            result = None
+            cleanup()
+            free_memory()
+            if status == OOM and self.on_oom is not None:
+                self.on_oom()
+            self._shrink(status == OOM)
+
+    def _shrink(self, oom_here: bool) -> None:
+        from vlmfast.strategies.oom import OutOfMemoryAtMinimumError
+
+        if self.budget.at_minimum or self.budget.tokens <= 1:
+            raise OutOfMemoryAtMinimumError(
+                f"out of memory with micro_batch_tokens {self.budget.tokens}: every micro-batch already holds one "
+                f"sample, so a smaller budget cannot help.\n{self.describe_memory()}")
+        self._change(self.budget.halved(), "out of memory" + ("" if oom_here else " on another rank"))
+        self.clean_steps = 0
+
+    def _maybe_grow(self) -> None:
+        if self.grow_after is None or self.budget.tokens >= self.configured or self.clean_steps < self.grow_after:
+            return
+        self._change(self.budget.grown(self.configured), f"{self.clean_steps} clean steps")
+        self.clean_steps = 0
+
+    def _change(self, new: TokenBudget, reason: str) -> None:
+        log.warning("oom fallback: micro_batch_tokens %d -> %d (%s)", self.budget.tokens, new.tokens, reason)
+        self.events.append({"from": self.budget.tokens, "to": new.tokens, "reason": reason})
+        self.budget = new
+
+    def after_backward(self, step: Step) -> None:
+        last = self.budget.last
+        if last:
+            step.metrics.update({k: last[k] for k in ("micro_batches", "micro_batch_tokens", "micro_batch_rows")})
+            self._seen["micro_batches"] += last["micro_batches"]
+            self._seen["over_budget"] += last["over_budget"]
+            self._seen["steps"] += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"configured": self.configured, "tokens": self.budget.tokens, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state and state.get("configured") == self.configured:  # a deliberately changed spec wins
+            self.budget = TokenBudget(state["tokens"], self.budget.max_rows, self.budget.image_tokens)
+            self.clean_steps = state["clean_steps"]
+
+    def describe(self) -> str:
+        seen = self._seen
+        per_step = f"{seen['micro_batches'] / seen['steps']:.1f} micro-batches per step" if seen["steps"] else ""
+        over = f", {seen['over_budget']} sample(s) longer than the budget ran alone" if seen["over_budget"] else ""
+        changes = "; ".join(f"{e['from']}->{e['to']} ({e['reason']})" for e in self.events)
+        fallback = f"; oom fallback: {changes or 'no OOM'}" if self.oom is not None else ""
+        return f"micro-batches by tokens: {self.budget} each, longest first, {per_step}{over}{fallback}"
+
+
+def image_token_cost(model: Any, *, in_input_ids: bool = True) -> int:
+    """Tokens an image costs beyond what ``input_ids`` shows: the vision tower's tokens (patches) per image, plus
+    the language model's image tokens when the model puts them before the text itself (the tiny VLM's padded rows).
+
+    Usage: ``image_token_cost(tiny_vlm, in_input_ids=False)`` -> 18 (9 patches + 9 prepended tokens)
+
+    The vision tower keeps activations per patch much as the language model does per token, so a sample with 8
+    images is charged for them even where its ``input_ids`` hold only a few placeholders each.
+    """
+    model = unwrap_model(model)
+    config = getattr(model, "config", None)
+    vision = getattr(config, "vision_config", None)
+    patches = getattr(config, "num_image_tokens", None)  # the tiny VLM
+    if vision is not None and getattr(vision, "image_size", None) and getattr(vision, "patch_size", None):
+        size, patch = vision.image_size, vision.patch_size
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+        patches = (size // patch) ** 2
+    prepended = 0 if in_input_ids else int(getattr(model, "prepended_image_tokens", 0) or 0)
+    return int(patches or 0) + prepended
+
+
+def build_sizer(spec: Any, model: Any = None, *, describe_memory: Callable[[], str] | None = None,
+                on_oom: Callable[[], None] | None = None) -> Strategy:
+    """The loop's micro-batch sizer for a whole spec: by tokens when ``micro_batch_tokens`` is set, else the
+    micro-batch-size sizer of ``vlmfast.strategies.oom``.
+
+    Usage (the loop): ``self.micro_batching = build_sizer(spec, model, describe_memory=..., on_oom=...)``
+
+    Images are charged :func:`image_token_cost` tokens each, on top of the placeholders ``input_ids`` holds.
+    """
+    if spec.micro_batch_tokens is None:
+        from vlmfast.strategies.oom import build_micro_batching
+
+        return build_micro_batching(spec.oom, spec.resolved_micro_batch_size, describe_memory=describe_memory,
+                                    on_oom=on_oom)
+    image_tokens = image_token_cost(model, in_input_ids=spec.packing.enabled) if model is not None else 0
+    return TokenBudgetSizer(spec.micro_batch_tokens, max_rows=spec.micro_batch_size, image_tokens=image_tokens,
+                            oom=spec.oom, describe_memory=describe_memory, on_oom=on_oom)
