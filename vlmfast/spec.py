@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from vlmfast.sections import Section, SpecError, set_root
+from vlmfast.strategies.vision_cache import VisionCacheSpec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu|hpu|npu)(:\d+)?")
@@ -460,6 +461,7 @@ class TrainSpec(Section):
     compile: CompileSpec = Field(default_factory=CompileSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     packing: PackingSpec = Field(default_factory=PackingSpec)
+    vision_cache: VisionCacheSpec = Field(default_factory=VisionCacheSpec)
     save: SaveSpec = Field(default_factory=SaveSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     log: LogSpec = Field(default_factory=LogSpec)
