@@ -36,7 +36,6 @@ import json
 import mmap
 import os
 import struct
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,23 +44,18 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["KEY_BYTES", "Entry", "FeatureStore", "StoreFullError"]
+__all__ = ["KEY_BYTES", "Entry", "FeatureStore", "store_summaries"]
 
 KEY_BYTES = 16
 MAX_DIMS = 6
 ALIGN = 64  # entry offsets: whole cache lines
 SEGMENT_BYTES = 1 << 30
 MAX_WRITERS = 4096
-RESCAN_SECONDS = 2.0  # how often a lookup that missed looks for entries other writers added since
 # key, segment, offset, nbytes, stored dtype code, ndim, shape[6], dtype code the tower produced, padding: 64 bytes
 RECORD = struct.Struct(f"<{KEY_BYTES}sIQQBB{MAX_DIMS}IBx")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.int8, torch.bool, torch.int16)
 _CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
-
-
-class StoreFullError(RuntimeError):
-    """An entry does not fit in a segment at all (larger than the store's segment size)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +88,6 @@ class FeatureStore:
         self.full = False  # an entry was refused for lack of room
         self._index_read: dict[int, int] = {}  # writer -> bytes of its index already taken
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
-        self._last_scan = 0.0
         self._lock_fd: int | None = None
         self._index_fd: int | None = None
         self.writer: int | None = None
@@ -103,7 +96,7 @@ class FeatureStore:
             if meta is not None:
                 _write_meta(self.path / "meta.json", meta)
             self.writer = self._claim_slot()
-        self.refresh(force=True)
+        self.refresh()
         if self.writer is not None:
             self._open_writer(self.writer)
 
@@ -124,19 +117,23 @@ class FeatureStore:
         """A new CPU tensor holding the entry."""
         return self.read_into(entry, torch.empty(entry.shape, dtype=entry.dtype))
 
-    def refresh(self, force: bool = False) -> int:
-        """Take the entries other writers appended since the last scan (at most every RESCAN_SECONDS unless
-        `force`); returns how many were new."""
-        now = time.monotonic()
-        if not force and now - self._last_scan < RESCAN_SECONDS:
-            return 0
-        self._last_scan = now
-        if not self.path.is_dir():
-            return 0
+    def refresh(self) -> int:
+        """Take the entries other writers appended since the last look; returns how many were new. Costs a folder
+        listing and one ``stat`` per writer: the cache calls it only when a lookup missed."""
+        if self.path.is_dir():
+            for name in os.listdir(self.path):
+                if name.startswith("w") and name.endswith(".idx") and name[1:-4].isdigit():
+                    self._index_read.setdefault(int(name[1:-4]), 0)
         added = 0
-        for name in os.listdir(self.path):
-            if name.startswith("w") and name.endswith(".idx") and name[1:-4].isdigit():
-                added += self._read_index(int(name[1:-4]))
+        for writer, taken in list(self._index_read.items()):
+            if writer == self.writer and self._index_fd is not None:
+                continue  # our own appends are taken as we make them
+            try:
+                size = os.stat(self.path / f"w{writer}.idx").st_size
+            except FileNotFoundError:
+                continue
+            if size - taken >= RECORD.size:
+                added += self._read_index(writer)
         return added
 
     # ---- writing ----------------------------------------------------------------------------------------------
@@ -152,10 +149,7 @@ class FeatureStore:
             raise ValueError(f"cannot store a {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
                              f"(at most {MAX_DIMS} dims; dtypes {', '.join(map(str, DTYPES))})")
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > self.segment_bytes:
-            raise StoreFullError(f"an entry of {nbytes} bytes is larger than the store's segments "
-                                 f"({self.segment_bytes} bytes): raise vision_cache.max_gb")
-        if self.bytes_used + nbytes > self.max_bytes:
+        if nbytes > self.segment_bytes or self.bytes_used + nbytes > self.max_bytes:
             self.full = True
             return False
         offset = _align(self._position)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CallImages", "Idefics3Adapter", "Qwen2VLAdapter", "RowsAdapter", "Unit", "resolve_unit"]
+__all__ = ["CallImages", "HFTowerAdapter", "Idefics3Adapter", "Qwen2VLAdapter", "RowsAdapter", "Unit", "resolve_unit"]
 
 TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
 PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "projector", "connector", "vision_proj")
@@ -45,6 +45,7 @@ class CallImages:
 
     inputs: list[tuple[Tensor | None, ...]]
     real: list[bool]
+    args: set[str] = field(default_factory=set)  # the call's arguments that hold the images (not fingerprinted)
     state: dict[str, Any] = field(default_factory=dict)  # adapter-private facts of this call (row layout, ...)
 
     def __len__(self) -> int:
@@ -74,30 +75,35 @@ def _model_output(pooled: Sequence[Tensor], as_tuple: bool) -> Any:
 
 
 class RowsAdapter:
-    """One image per row of the image tensor (argument `image_arg`); the output is a tensor of rows or a
-    ``pooler_output`` list of per-image tensors (`output`: "tensor" or "pooled")."""
+    """One image per row of the image tensor (argument `image_arg`); every other tensor argument with as many rows
+    (a patch mask) belongs to its row's image. The output is a tensor of rows or a ``pooler_output`` list of
+    per-image tensors (`output`: "tensor" or "pooled")."""
 
     def __init__(self, image_arg: str, output: str = "tensor") -> None:
         self.image_arg, self.output = image_arg, output
-
-    def image_args(self) -> set[str]:
-        return {self.image_arg}
 
     def split(self, arguments: dict[str, Any]) -> CallImages | None:
         pixels = arguments.get(self.image_arg)
         if not isinstance(pixels, Tensor) or pixels.dim() < 2:
             return None
-        return CallImages([(p,) for p in pixels.unbind(0)], [True] * pixels.shape[0])
+        n = pixels.shape[0]
+        names = [name for name, value in arguments.items()
+                 if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == n]
+        inputs = [tuple(arguments[name][i] for name in names) for i in range(n)]
+        return CallImages(inputs, [True] * n, args=set(names))
 
     def run(self, fn: Callable[..., Any], arguments: dict[str, Any], images: CallImages,
             indices: list[int]) -> tuple[list[Tensor], Any]:
         """Features of the images at `indices` (all of them: the unchanged call), and the raw output."""
         if len(indices) == len(images):
             output = fn(**arguments)
-            return _pooled(output), output
-        pixels = arguments[self.image_arg]
-        sub = pixels[torch.tensor(indices, device=pixels.device)]
-        return _pooled(fn(**{**arguments, self.image_arg: sub})), None
+            return self.per_image(output, arguments), output
+        index = torch.tensor(indices, device=arguments[self.image_arg].device)
+        sub = {name: arguments[name][index.to(arguments[name].device)] for name in images.args}
+        return self.per_image(fn(**{**arguments, **sub}), arguments), None
+
+    def per_image(self, output: Any, arguments: dict[str, Any]) -> list[Tensor]:
+        return _pooled(output)
 
     def assemble(self, features: list[Tensor], images: CallImages, arguments: dict[str, Any]) -> Any:
         if self.output == "tensor":
@@ -105,11 +111,50 @@ class RowsAdapter:
         return _model_output(features, as_tuple=False)
 
 
+class HFTowerAdapter(RowsAdapter):
+    """A Hugging Face vision tower's own ``forward`` (CLIP, SigLIP, Idefics3's vision model), when the projector
+    after it trains. Caches what the caller reads: the hidden states it asked for with ``output_hidden_states=<layer
+    or layers>`` (transformers 5 captures only those; LLaVA reads ``hidden_states[vision_feature_layer]``), else
+    ``last_hidden_state``. A call asking for every hidden state is not cached."""
+
+    def __init__(self, image_arg: str, hidden_states: int) -> None:
+        super().__init__(image_arg)
+        self.hidden_states = hidden_states  # length of the tower's hidden_states tuple (layers + embeddings)
+
+    @staticmethod
+    def selection(arguments: dict[str, Any]) -> list[int] | None:
+        asked = arguments.get("output_hidden_states")
+        if isinstance(asked, bool) or asked is None:
+            return None
+        return [asked] if isinstance(asked, int) else list(asked)
+
+    def split(self, arguments: dict[str, Any]) -> CallImages | None:
+        if arguments.get("output_hidden_states") is True or arguments.get("output_attentions"):
+            return None
+        return super().split(arguments)
+
+    def per_image(self, output: Any, arguments: dict[str, Any]) -> list[Tensor]:
+        layers = self.selection(arguments)
+        if layers is None:
+            return list(output.last_hidden_state.unsqueeze(1).unbind(0))
+        if output.hidden_states is not None:
+            self.hidden_states = len(output.hidden_states)
+        return list(torch.stack([output.hidden_states[i] for i in layers], dim=1).unbind(0))
+
+    def assemble(self, features: list[Tensor], images: CallImages, arguments: dict[str, Any]) -> Any:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        stacked, layers = torch.stack(features), self.selection(arguments)
+        if layers is None:
+            return BaseModelOutputWithPooling(last_hidden_state=stacked[:, 0])
+        hidden: list[Tensor | None] = [None] * self.hidden_states
+        for j, layer in enumerate(layers):
+            hidden[layer] = stacked[:, j]
+        return BaseModelOutputWithPooling(hidden_states=tuple(hidden))
+
+
 class Idefics3Adapter:
     """Idefics3 / SmolVLM ``get_image_features(pixel_values [B, K, C, H, W], pixel_attention_mask [B, K, H, W])``."""
-
-    def image_args(self) -> set[str]:
-        return {"pixel_values", "pixel_attention_mask"}
 
     def split(self, arguments: dict[str, Any]) -> CallImages | None:
         pixels, mask = arguments.get("pixel_values"), arguments.get("pixel_attention_mask")
@@ -122,7 +167,8 @@ class Idefics3Adapter:
         if not any(real):
             return None  # the model keeps one empty image then (SmolVLM): not worth caching
         inputs = [(flat[i], None if masks is None else masks[i]) for i in range(flat.shape[0])]
-        return CallImages(inputs, real, {"rows": rows, "per_row": per_row, "flat": flat, "masks": masks})
+        return CallImages(inputs, real, {"pixel_values", "pixel_attention_mask"},
+                          {"rows": rows, "per_row": per_row, "flat": flat, "masks": masks})
 
     def run(self, fn: Callable[..., Any], arguments: dict[str, Any], images: CallImages,
             indices: list[int]) -> tuple[list[Tensor], Any]:
@@ -156,9 +202,6 @@ class Idefics3Adapter:
 class Qwen2VLAdapter:
     """Qwen2-VL / Qwen2.5-VL ``get_image_features(pixel_values [patches, D], image_grid_thw [N, 3])``."""
 
-    def image_args(self) -> set[str]:
-        return {"pixel_values", "image_grid_thw"}
-
     def split(self, arguments: dict[str, Any]) -> CallImages | None:
         pixels, grid = arguments.get("pixel_values"), arguments.get("image_grid_thw")
         if not isinstance(pixels, Tensor) or not isinstance(grid, Tensor) or pixels.dim() != 2:
@@ -167,7 +210,8 @@ class Qwen2VLAdapter:
         if sum(counts) != pixels.shape[0]:
             return None
         chunks = pixels.split(counts)
-        return CallImages(list(zip(chunks, grid.unbind(0), strict=True)), [True] * len(counts))
+        return CallImages(list(zip(chunks, grid.unbind(0), strict=True)), [True] * len(counts),
+                          {"pixel_values", "image_grid_thw"})
 
     def run(self, fn: Callable[..., Any], arguments: dict[str, Any], images: CallImages,
             indices: list[int]) -> tuple[list[Tensor], Any]:
@@ -241,11 +285,13 @@ def resolve_unit(model: nn.Module, scope: str = "auto", module: str | None = Non
             return Unit(owner, "get_image_features", HF_ADAPTERS[model_type](), modules, config)
         return Unit(owner, "get_image_features", RowsAdapter(_first_argument(owner.get_image_features)), modules,
                     config)
-    if model_type is not None or _is_hf(tower):
-        raise ValueError(
-            f"vision_cache: the projector next to '{tower_path}' trains, and a Hugging Face tower is cached only "
-            "with its projector (its get_image_features): freeze the projector too (optimizer.freeze), or set "
-            "vision_cache.enabled: false")
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+        raise ValueError(f"vision_cache: Qwen2-VL's merger (the projector) sits inside '{tower_path}' and trains: "
+                         "freeze it too (the whole visual tower is then cached), or set vision_cache.enabled: false")
+    if _is_hf(tower):
+        layers = getattr(getattr(tower, "config", None), "num_hidden_layers", 0) + 1
+        return Unit(tower, "forward", HFTowerAdapter(_first_argument(tower.forward), layers), {tower_path: tower},
+                    config)
     return Unit(tower, "forward", RowsAdapter(_first_argument(tower.forward)), {tower_path: tower}, config)
 
 
