@@ -41,7 +41,8 @@ class CacheFootprint:
 
     def to_text(self, max_gb: float | None = None) -> str:
         shape = " x ".join(map(str, self.feature_shape))
-        line = (f"vision cache ({self.scope.replace('_', ' + ')}): {shape} x {self.dtype_bytes} B = "
+        what = {"tower_and_projector": "tower + projector"}.get(self.scope, self.scope)
+        line = (f"vision cache ({what}): {shape} x {self.dtype_bytes} B = "
                 f"{_size(self.bytes_per_image)} per image -> {_size(self.total_bytes)} on disk for {self.images:,} "
                 f"images; on a hit their forward is skipped, their weights ({_size(self.weights_bytes)}) stay loaded")
         if max_gb is not None and self.total_bytes > max_gb * 2**30:
@@ -65,7 +66,8 @@ def cache_footprint(model: nn.Module, *, images: int, dtype_bytes: int = 2, scop
         or not any(p.requires_grad for p in projector[1].parameters()))
     whole = scope == "tower_and_projector" or (scope == "auto" and projector_frozen)
     size = image_size or _image_size(model)
-    pixels = torch.zeros(1, 3, size, size, device="meta")
+    device = next(tower.parameters()).device  # meta for Hugging Face configs; the tiny VLM is small enough for CPU
+    pixels = torch.zeros(1, 3, size, size, device=device)
     with torch.no_grad():
         if whole and hasattr(owner, "get_image_features"):
             out = owner.get_image_features(pixel_values=pixels)
@@ -73,10 +75,12 @@ def cache_footprint(model: nn.Module, *, images: int, dtype_bytes: int = 2, scop
         else:
             out = tower(pixels)
             modules, whole = [tower], False
-    features = out if isinstance(out, torch.Tensor) else getattr(out, "pooler_output", None)
-    if isinstance(features, (list, tuple)):
-        features = features[0].unsqueeze(0)
-    if not isinstance(features, torch.Tensor):
+    if isinstance(out, torch.Tensor):
+        features = out
+    elif whole:  # get_image_features: per-image features in pooler_output
+        pooled = out.pooler_output
+        features = pooled[0].unsqueeze(0) if isinstance(pooled, (list, tuple)) else pooled
+    else:  # a Hugging Face tower: the cache keeps hidden states of its width and length, not the pooled vector
         features = out.last_hidden_state
     weights = sum(p.numel() * dtype_bytes for m in modules for p in m.parameters())
     return CacheFootprint("tower_and_projector" if whole else "tower", tuple(features.shape[1:]), dtype_bytes, images,
