@@ -1,24 +1,29 @@
 """Epoch-2 samples/s of the tiny VLM with a frozen vision tower, with and without ``vision_cache``.
 
-Each run trains the built-in VLM (a bigger vision tower than the default, so that it takes a share of the step like
-a real VLM's: 36 image tokens, 4 ViT blocks of width 192) for two epochs with the tower and projector frozen, through
-``OptimizedTrainer``. Without the cache the tower runs every step; with it, epoch 1 fills a fresh store and epoch 2
-reads it. Runs alternate (plain, cached, cached, plain, ...); for each run the median epoch-2 step time is taken,
-and the speed-up is the median of the paired per-round ratios (each round's two runs saw the same machine load).
+Two ``OptimizedTrainer``s train the built-in VLM (a bigger vision tower than the default, so that it takes a share of
+the step like a real VLM's: 36 image tokens, 4 ViT blocks of width 192) on the same data, tower and projector frozen:
+one plain, one with ``vision_cache`` (a fresh store per round). They take their optimizer steps in turn (plain,
+cached, cached, plain, ...) through the trainer's own ``train_step`` / ``optimizer_step``, so the two steps of a
+pair run under the same machine load. Epoch 1 fills the cache; each pair of epoch-2 steps gives a ratio, and the
+speed-up is the median of those ratios over all rounds.
 
-The tower's forward share is measured in the plain runs (forward hooks around ``get_image_features``, i.e. tower +
-projector, CPU wall time: synchronous there), and the result says which part of it the cache removed:
-``(1 - cached step / plain step) / tower share`` (goal: >= 90 %). Losses of the two arms are compared too.
+The tower's forward share is measured in the plain trainer (a wrapper around ``get_image_features``, i.e. tower +
+projector; on CPU the call is synchronous), and the result says which part of it the cache removed:
+``(1 - cached step / plain step) / tower share`` (goal: >= 90 %). Losses of the two trainers are compared too.
+
+Two clocks: wall time, and the training thread's CPU time (``time.thread_time``), which other processes on a shared
+machine inflate less (with one torch thread the compute runs on the training thread).
 
 Usage::
 
-    python benchmarks/vision_cache.py --threads 1                  # CPU, ~4 min
-    python benchmarks/vision_cache.py --rounds 3 --samples 64      # quicker
+    python benchmarks/vision_cache.py --threads 1                  # CPU, ~3 min
+    python benchmarks/vision_cache.py --rounds 1 --samples 64      # quicker
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from typing import Any
@@ -35,11 +40,11 @@ CONFIG = dict(image_size=96, patch_size=16, vision_dim=192, vision_layers=4, vis
 
 
 class Rendered(Dataset):
-    """The shapes dataset rendered once, so data loading is the same small cost in both arms."""
+    """The shapes dataset rendered once, so data loading is the same small cost for both trainers."""
 
     def __init__(self, samples: int, image_size: int) -> None:
         _, dataset, _ = build_tiny_vlm_task(num_samples=samples)
-        dataset.min_image_size = dataset.max_image_size = image_size  # no resize in the collate function
+        dataset.min_image_size = dataset.max_image_size = image_size  # the collate function's resize is a no-op
         self.samples = [dataset[i] for i in range(samples)]
 
     def __len__(self) -> int:
@@ -50,113 +55,128 @@ class Rendered(Dataset):
 
 
 class TowerClock:
-    """Wall time inside ``get_image_features`` (tower + projector) per step (CPU: synchronous, so exact)."""
+    """Wall and thread CPU time inside ``get_image_features`` (tower + projector) since the last ``take``."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.seconds = 0.0
-        self._start = 0.0
-        self._original = model.get_image_features
+        self.wall = self.cpu = 0.0
+        original = model.get_image_features
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.thread_time()
             try:
-                return self._original(*args, **kwargs)
+                return original(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.wall += time.perf_counter() - wall
+                self.cpu += time.thread_time() - cpu
 
-        model.get_image_features = timed  # the plain arm only: the cached arm wraps this method itself
+        model.get_image_features = timed  # the plain trainer only (the cache stands in for this method itself)
 
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def take(self) -> tuple[float, float]:
+        out = (self.wall, self.cpu)
+        self.wall = self.cpu = 0.0
+        return out
 
 
-def run(arm: str, dataset: Dataset, args: argparse.Namespace) -> dict[str, Any]:
-    config = TinyVLMConfig(**CONFIG)
-    model, _, collate = build_tiny_vlm_task(num_samples=len(dataset), config=config)
+def build(cached: bool, dataset: Dataset, args: argparse.Namespace) -> tuple[OptimizedTrainer, TowerClock | None]:
+    model, _, collate = build_tiny_vlm_task(num_samples=len(dataset), config=TinyVLMConfig(**CONFIG))
+    clock = None if cached else TowerClock(model)
+    spec = TrainSpec(max_steps=10**6, batch_size=args.batch_size, device="cpu", seed=0, log={"progress": "off"},
+                     optimizer={"freeze": ["vision_tower", "multi_modal_projector"]},
+                     vision_cache={"enabled": cached, "dir": tempfile.mkdtemp(prefix="vision-cache-bench-")})
+    trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)
+    trainer.model.train()
+    return trainer, clock
+
+
+def step(trainer: OptimizedTrainer) -> tuple[float, float, float]:
+    """One optimizer step through the trainer's own step API: (wall s, thread CPU s, loss); data loading included."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    batch = next(trainer.loader)
+    loss, plan = trainer.train_step(batch, trainer.micro_batching.micro_batch_size)
+    done = trainer.optimizer_step(loss, plan)
+    trainer.state.step = done.number
+    return time.perf_counter() - wall, time.thread_time() - cpu, done.values["loss"]
+
+
+def one_round(dataset: Dataset, args: argparse.Namespace, pairs: list[dict[str, float]]) -> dict[str, Any]:
+    (plain, clock), (cached, _) = build(False, dataset, args), build(True, dataset, args)
     steps_per_epoch = len(dataset) // args.batch_size
-    cache_dir = tempfile.mkdtemp(prefix="vision-cache-bench-")
-    clock = TowerClock(model) if arm == "plain" else None
-    tower_seconds: list[float] = []
-
-    class Tower:  # a callback: the tower time of each step
-        def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
-            if clock is not None:
-                tower_seconds.append(clock.take())
-
-    spec = TrainSpec(max_steps=2 * steps_per_epoch, batch_size=args.batch_size, device="cpu", seed=0,
-                     log={"progress": "off"}, optimizer={"freeze": ["vision_tower", "multi_modal_projector"]},
-                     vision_cache={"enabled": arm == "cached", "dir": cache_dir})
-    trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate, callbacks=[Tower()])
-    result = trainer.fit()
-    epoch2 = result.history[steps_per_epoch:]
-    out = {"epoch2_step_s": median([h["step_time"] for h in epoch2]),
-           "epoch1_step_s": median([h["step_time"] for h in result.history[1:steps_per_epoch]]),
-           "losses": [h["loss"] for h in result.history]}
-    out["epoch2_samples_per_s"] = args.batch_size / out["epoch2_step_s"]
-    if clock is not None:
-        out["tower_share"] = median([t / h["step_time"] for t, h in zip(tower_seconds[steps_per_epoch:], epoch2,
-                                                                          strict=True)])
-        out["tower_step_s"] = median(tower_seconds[steps_per_epoch:])
-    else:
-        cache = next(s for s in trainer.strategies if s.name == "vision_cache").cache
-        stats = cache.stats
-        out.update(hit_rate=stats.hit_rate, hits=stats.hits, misses=stats.misses, bytes_on_disk=cache.bytes_on_disk(),
-                   entries=cache.entries(), seconds_saved=stats.seconds_saved,
-                   cache_overhead_ms_per_image=1e3 * stats.overhead_seconds / max(stats.hits + stats.misses, 1),
-                   tower_ms_per_image=1e3 * stats.tower_seconds_per_image, report_line=cache.describe())
-        cache.remove()
+    losses: dict[str, list[float]] = {"plain": [], "cached": []}
+    for i in range(2 * steps_per_epoch):
+        order = [("plain", plain), ("cached", cached)][:: 1 if i % 2 == 0 else -1]
+        times = {}
+        for name, trainer in order:
+            if name == "plain":
+                clock.take()
+            times[name] = step(trainer)
+            losses[name].append(times[name][2])
+        tower_wall, tower_cpu = clock.take()
+        if i >= steps_per_epoch:  # epoch 2
+            pairs.append({"plain_wall": times["plain"][0], "plain_cpu": times["plain"][1],
+                          "cached_wall": times["cached"][0], "cached_cpu": times["cached"][1],
+                          "tower_wall": tower_wall, "tower_cpu": tower_cpu})
+    vision = next(s for s in cached.strategies if s.name == "vision_cache")
+    cache, stats = vision.cache, vision.cache.stats
+    out = {"max_abs_loss_difference": max(abs(a - b) for a, b in zip(losses["plain"], losses["cached"], strict=True)),
+           "hit_rate": stats.hit_rate, "hits": stats.hits, "misses": stats.misses,
+           "entries": cache.entries(), "bytes_on_disk": cache.bytes_on_disk(),
+           "tower_ms_per_image": 1e3 * stats.tower_seconds_per_image, "seconds_saved": stats.seconds_saved,
+           "cache_overhead_ms_per_image": 1e3 * stats.overhead_seconds / max(stats.hits + stats.misses, 1),
+           "report_line": vision.describe()}
+    cache.remove()
     return out
+
+
+def summarise(pairs: list[dict[str, float]], clock: str, batch_size: int) -> dict[str, Any]:
+    plain, cached = [p[f"plain_{clock}"] for p in pairs], [p[f"cached_{clock}"] for p in pairs]
+    ratio = median([p / c for p, c in zip(plain, cached, strict=True)])
+    share = median([p[f"tower_{clock}"] / p[f"plain_{clock}"] for p in pairs])
+    reduction = 1 - 1 / ratio
+    return {"epoch2_samples_per_s": {"plain": batch_size / median(plain), "cached": batch_size / median(cached)},
+            "epoch2_step_ms": {"plain": 1e3 * median(plain), "cached": 1e3 * median(cached)},
+            "speedup_median_of_paired_ratios": ratio, "tower_forward_share_of_step": share,
+            "step_time_reduction": reduction, "share_of_tower_time_removed": reduction / share}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=3, help="fresh trainers and cache per round")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/cpu/vision_cache.json)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dataset = Rendered(args.samples, CONFIG["image_size"])
-    runs: dict[str, list[dict[str, Any]]] = {"plain": [], "cached": []}
-    for round_index in range(args.rounds):
-        order = ("plain", "cached") if round_index % 2 == 0 else ("cached", "plain")
-        for arm in order:
-            runs[arm].append(run(arm, dataset, args))
-            print(f"round {round_index + 1} {arm:>6}: epoch-2 step {1e3 * runs[arm][-1]['epoch2_step_s']:.1f} ms")
-    pairs = list(zip(runs["plain"], runs["cached"], strict=True))
-    ratios = [p["epoch2_step_s"] / c["epoch2_step_s"] for p, c in pairs]
-    plain_step, cached_step = (median([r["epoch2_step_s"] for r in runs[a]]) for a in ("plain", "cached"))
-    share = median([r["tower_share"] for r in runs["plain"]])
-    reduction = 1 - 1 / median(ratios)  # from the paired ratios: each round's two runs saw the same machine load
-    removed_per_round = [(1 - c["epoch2_step_s"] / p["epoch2_step_s"]) / p["tower_share"] for p, c in pairs]
-    loss_diff = max(abs(a - b) for p, c in zip(runs["plain"], runs["cached"], strict=True)
-                    for a, b in zip(p["losses"], c["losses"], strict=True))
+    load = [os.getloadavg()[0]]
+    pairs: list[dict[str, float]] = []
+    rounds = []
+    for index in range(args.rounds):
+        rounds.append(one_round(dataset, args, pairs))
+        print(f"round {index + 1}: {rounds[-1]['report_line']}")
+    load.append(os.getloadavg()[0])
+    summary = {clock: summarise(pairs, clock, args.batch_size) for clock in ("wall", "cpu")}
     result = {
         "benchmark": "vision_cache",
         "model": f"tiny VLM {CONFIG}, text_dim 128, 2 text layers; vision tower and projector frozen",
         "samples": args.samples, "batch_size": args.batch_size, "rounds": args.rounds,
-        "torch_threads": torch.get_num_threads(),
-        "epoch2_samples_per_s": {"plain": args.batch_size / plain_step, "cached": args.batch_size / cached_step},
-        "epoch2_step_ms": {"plain": 1e3 * plain_step, "cached": 1e3 * cached_step},
-        "speedup_median_of_paired_ratios": median(ratios),
-        "tower_forward_share_of_step": share,
-        "step_time_reduction": reduction,
-        "share_of_tower_time_removed": reduction / share,
-        "share_of_tower_time_removed_per_round": removed_per_round,
-        "share_of_tower_time_removed_median_of_rounds": median(removed_per_round),
-        "max_abs_loss_difference": loss_diff,
-        "cached_run": {k: v for k, v in runs["cached"][len(runs["cached"]) // 2].items() if k != "losses"},
-        "runs": {arm: [{k: v for k, v in r.items() if k not in ("losses", "report_line")} for r in rs]
-                 for arm, rs in runs.items()},
+        "epoch2_step_pairs": len(pairs), "torch_threads": torch.get_num_threads(),
+        "load_average_1min_at_start_and_end": load,
+        "method": "two trainers step in turn (order alternating per pair); epoch-2 pairs over all rounds; medians "
+                  "and the median of per-pair ratios; wall = perf_counter, cpu = the training thread's CPU time",
+        **summary,
+        "max_abs_loss_difference": max(r["max_abs_loss_difference"] for r in rounds),
+        "cached_rounds": rounds,
+        "pairs": pairs,
     }
     path = write_result("vision_cache", torch.device("cpu"), result, args.out)
-    print(f"epoch-2 samples/s: plain {result['epoch2_samples_per_s']['plain']:.1f}, cached "
-          f"{result['epoch2_samples_per_s']['cached']:.1f} (x{median(ratios):.2f}); tower share {share:.0%}, step "
-          f"time -{reduction:.0%} = {reduction / share:.0%} of the tower's time; max |loss diff| {loss_diff:.2e}")
-    print(f"-> {path}")
+    for clock, r in summary.items():
+        print(f"{clock}: epoch-2 samples/s plain {r['epoch2_samples_per_s']['plain']:.1f}, cached "
+              f"{r['epoch2_samples_per_s']['cached']:.1f} (x{r['speedup_median_of_paired_ratios']:.2f}); tower "
+              f"share {r['tower_forward_share_of_step']:.0%}, step time -{r['step_time_reduction']:.0%} = "
+              f"{r['share_of_tower_time_removed']:.0%} of the tower's time")
+    print(f"max |loss difference| {result['max_abs_loss_difference']:.2e}; load average {load}\n-> {path}")
 
 
 if __name__ == "__main__":

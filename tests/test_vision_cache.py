@@ -412,3 +412,43 @@ def test_with_torch_compile_of_the_whole_model(tmp_path):
     assert [h["loss"] for h in cached.history] == pytest.approx([h["loss"] for h in plain.history], abs=1e-6)
     assert [h["vision_cache/hits"] for h in cached.history] == [0, 0, 8, 8]
     assert any(s.startswith("torch.compile: whole model") for s in cached.report.strategies)
+
+
+# ---- doctor and estimate-memory know it -------------------------------------------------------------------------
+def test_doctor_proposes_the_cache_for_a_frozen_tower_that_dominates_forward():
+    from vlmfast.profiling.doctor import Evidence, _vision_frozen, diagnose
+
+    sample = {"perf/step_time": 0.1, "perf/forward_time": 0.05, "perf/vision_forward_time": 0.03,
+              "perf/backward_time": 0.05}
+
+    def finding(spec, frozen):
+        return next(f for f in diagnose(Evidence(samples=[sample], spec=spec, vision_frozen=frozen))
+                    if f.key == "vision_tower")
+
+    spec = TrainSpec(batch_size=4)
+    frozen = finding(spec, True)
+    assert frozen.change == {"vision_cache.enabled": True} and "epoch 2" in frozen.advice
+    assert finding(spec, False).change == {}  # a training tower: other advice
+    assert finding(TrainSpec(batch_size=4, vision_cache={"enabled": True}), True).change == {}  # already on
+    model, _, _ = _task(4)
+    assert _vision_frozen(model) is True
+    model.vision_tower.requires_grad_(True)
+    assert _vision_frozen(model) is False
+
+
+def test_estimate_memory_prints_the_cache_footprint(capsys):
+    import argparse
+
+    from vlmfast.features.footprint import cache_footprint
+    from vlmfast.memory.estimate_cli import add_estimate_memory_parser
+    from vlmfast.memory.known_models import build_estimate_model
+
+    tiny = cache_footprint(build_estimate_model("tiny-vlm"), images=1000, dtype_bytes=4, frozen=("projector",))
+    assert (tiny.scope, tiny.feature_shape, tiny.bytes_per_image) == ("tower_and_projector", (9, 128), 9 * 128 * 4)
+    parser = argparse.ArgumentParser()
+    add_estimate_memory_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["estimate-memory", "--model", "tiny-vlm", "--freeze", "vision_tower",
+                              "--vision-cache", "4096", "--precision", "fp32", "--gpu-gb", "8"])
+    args.run(args)
+    assert "vision cache (tower): 9 x 64 x 4 B = 2.2 KiB per image -> 9.0 MiB on disk for 4,096 images" in \
+        capsys.readouterr().out

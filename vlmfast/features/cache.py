@@ -219,14 +219,14 @@ class FeatureCache:
                 self._keys_in_order = self._check_order(source, images)
                 source = source if self._keys_in_order else None
         if source is None:
-            source = [tensor_key(*inputs, tag=b"unit") for inputs in images.inputs]
+            source = [tensor_key(*inputs, tag=b"unit") for inputs in _on_host(images.inputs)]
             self.stats.hashed_images += len(images)
         return [hash_bytes(key, images.signature(i)) for i, key in enumerate(source)]
 
     def _check_order(self, keys: list[bytes], images: CallImages) -> bool:
         """The batch's keys belong to the tower's images in this order: where the tower sees the batch's pixels
         unchanged, their hashes must match position by position (a key found elsewhere means another order)."""
-        own = [tensor_key(*inputs) for inputs in images.inputs]
+        own = [tensor_key(*inputs) for inputs in _on_host(images.inputs)]
         where = {key: i for i, key in enumerate(keys)}
         misplaced = [i for i, key in enumerate(own) if where.get(key, i) != i]
         if misplaced:
@@ -410,6 +410,23 @@ class FeatureCache:
         for store in self.stores.values():
             store.close()
         self.stores.clear()
+
+
+def _on_host(inputs: list[tuple[Tensor | None, ...]]) -> list[tuple[Tensor | None, ...]]:
+    """The images' tensors on the CPU: device tensors are copied without a sync each (pinned, non-blocking), then
+    the stream is waited for once."""
+    devices = {t.device for one in inputs for t in one if t is not None and t.device.type != "cpu"}
+    if not devices:
+        return inputs
+    # aten _to_copy pins the CPU result of a non-blocking copy from CUDA (TensorConversions.cpp, `pin_out`), so the
+    # copies queue on the stream and one wait below covers them all.
+    host = [tuple(None if t is None else t.detach().to("cpu", non_blocking=True) for t in one) for one in inputs]
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        elif (synchronize := getattr(getattr(torch, device.type, None), "synchronize", None)) is not None:
+            synchronize()
+    return host
 
 
 def _human_bytes(n: float) -> str:
