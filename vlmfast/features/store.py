@@ -36,6 +36,7 @@ import json
 import mmap
 import os
 import struct
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,9 @@ class FeatureStore:
         self.refresh()
         if self.writer is not None:
             self._open_writer(self.writer)
+        # A store dropped without close() (a trainer that just ends) still gives its files and writer slot back.
+        fds = [fd for fd in (self._index_fd, self._lock_fd) if fd is not None]
+        self._finalizer = weakref.finalize(self, _close_fds, fds)
 
     # ---- reading ----------------------------------------------------------------------------------------------
     def get(self, key: bytes) -> Entry | None:
@@ -180,9 +184,7 @@ class FeatureStore:
             with contextlib.suppress(BufferError):  # a tensor still views it: the mapping goes with that tensor
                 mapped.close()
         self._maps.clear()
-        for fd in (self._index_fd, self._lock_fd):
-            if fd is not None:
-                os.close(fd)
+        self._finalizer()
         self._index_fd = self._lock_fd = None
         self.writer = None
 
@@ -263,6 +265,12 @@ class FeatureStore:
             raise RuntimeError(f"writer {self.writer} cannot write writer {writer}'s segment")
         self._maps[(writer, segment)] = mapped
         return mapped
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
