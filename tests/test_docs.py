@@ -27,7 +27,7 @@ PAGES_WITH_RUNNABLE_BLOCKS = ("quickstart.md", "ways-in.md", "oom-guide.md", "sp
 SNIPPET = "--8<--"  # a block whose content is included from a file at build time
 STRATEGY_PAGES = ("accumulation.md", "precision.md", "optimizer.md", "activation_checkpointing.md", "oom.md",
                   "memory.md", "attention.md", "packing.md", "grouping.md", "compile.md", "data.md", "profiling.md",
-                  "checkpoints.md", "distributed.md")
+                  "checkpoints.md", "distributed.md", "vision_cache.md")
 STRATEGY_SECTIONS = ("What it does", "When it helps", "When it hurts", "Spec fields", "Standalone hook",
                      "Measured effect")
 

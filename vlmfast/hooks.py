@@ -36,6 +36,8 @@ from vlmfast.engines import init_distributed, register_comm_hook, wrap_ddp
 from vlmfast.engines.collectives import all_reduce_gradients
 from vlmfast.engines.deepspeed import build_deepspeed_config
 from vlmfast.engines.fsdp import full_state_dict, load_full_state_dict, shard_model
+from vlmfast.features import FeatureStore, KeyedCollate, check_deterministic
+from vlmfast.features.cache import FeatureCache
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb
@@ -83,6 +85,7 @@ from vlmfast.strategies.optimizer import (
 )
 from vlmfast.strategies.precision import MixedPrecision, autocast_context, enable_tf32
 from vlmfast.strategies.token_budget import TokenBudget, plan_token_micro_batches, split_by_tokens
+from vlmfast.strategies.vision_cache import cache_vision_features
 from vlmfast.train.evaluation import evaluate_loss
 from vlmfast.train.interrupt import InterruptGuard
 
@@ -91,8 +94,11 @@ __all__ = [
     "CompileResult",
     "DevicePrefetcher",
     "ExponentialMovingAverage",
+    "FeatureCache",
+    "FeatureStore",
     "FlopsMeter",
     "InterruptGuard",
+    "KeyedCollate",
     "LengthGroupedSampler",
     "MemmapTensorDataset",
     "MemmapTokenDataset",
@@ -116,6 +122,8 @@ __all__ = [
     "build_packing_collator",
     "build_param_groups",
     "build_scheduler",
+    "cache_vision_features",
+    "check_deterministic",
     "checkpoint_call",
     "clip_gradients",
     "compile_model",

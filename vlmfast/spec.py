@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from vlmfast.sections import Section, SpecError, set_root
 from vlmfast.strategies.ema import EMASpec
 from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropySpec
+from vlmfast.strategies.vision_cache import VisionCacheSpec
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu|hpu|npu)(:\d+)?")
@@ -489,6 +490,7 @@ class TrainSpec(Section):
     ema: EMASpec = Field(default_factory=EMASpec)
     data: DataSpec = Field(default_factory=DataSpec)
     packing: PackingSpec = Field(default_factory=PackingSpec)
+    vision_cache: VisionCacheSpec = Field(default_factory=VisionCacheSpec)
     save: SaveSpec = Field(default_factory=SaveSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     log: LogSpec = Field(default_factory=LogSpec)

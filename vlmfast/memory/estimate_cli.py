@@ -46,6 +46,10 @@ def add_estimate_memory_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                    help="sdpa: fused kernels (no L x L scores); eager: scores materialised per layer")
     p.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GiB (default 80)")
+    p.add_argument("--vision-cache", type=int, default=None, metavar="IMAGES",
+                   help="with vision_cache on: the disk its features take for this many distinct images")
+    p.add_argument("--vision-cache-max-gb", type=float, default=None, metavar="GB",
+                   help="vision_cache.max_gb, to say what share of the images fits")
     p.set_defaults(run=run_estimate_memory)
     return p
 
@@ -63,9 +67,25 @@ def run_estimate_memory(args: argparse.Namespace) -> int:
         master_weights=args.master_weights,
     )
     print(est.to_table())
+    if args.vision_cache:
+        print(_vision_cache_line(args))
     if est.fits():
         return 0
     print("\ncheapest changes that make it fit, in order:")
     for change in est.cheapest_fixes():
         print(f"  {change}")
     return 1
+
+
+def _vision_cache_line(args: argparse.Namespace) -> str:
+    """The vision cache's disk footprint: per-image features measured on the meta device (no GPU memory change:
+    the frozen tower keeps no activations for backward, and its weights stay loaded)."""
+    from vlmfast.features.footprint import cache_footprint
+    from vlmfast.memory.known_models import build_estimate_model
+
+    model = build_estimate_model(args.hf_config or args.model, attention=args.attention)
+    if not any("vision" in f or "visual" in f for f in args.freeze):
+        return "vision cache: needs a frozen vision tower (add --freeze vision_tower)"
+    dtype_bytes = 4 if args.precision == "fp32" else 2
+    footprint = cache_footprint(model, images=args.vision_cache, dtype_bytes=dtype_bytes, frozen=tuple(args.freeze))
+    return footprint.to_text(args.vision_cache_max_gb)

@@ -294,6 +294,12 @@ class TinyVLM(nn.Module):
         """Total (or trainable) parameter count."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
+    def get_image_features(self, pixel_values: Tensor) -> Tensor:
+        """Projected image features [N, image tokens, text_dim] of images [N, 3, S, S]: what the language model
+        receives (Hugging Face VLMs have the same method; the vision cache stands in for it when both the tower and
+        the projector are frozen)."""
+        return self.multi_modal_projector(self.vision_tower(pixel_values))
+
     def forward(
         self,
         pixel_values: Tensor,
@@ -330,7 +336,7 @@ class TinyVLM(nn.Module):
         del attention_mask  # see forward's docstring
         if position_ids is not None:
             return self._packed_hidden_states(pixel_values, input_ids, position_ids, images_per_row)
-        image_embeds = self.multi_modal_projector(self.vision_tower(pixel_values))
+        image_embeds = self.get_image_features(pixel_values)
         text_embeds = self.language_model.embed_tokens(input_ids)
         inputs_embeds = torch.cat([image_embeds.to(text_embeds.dtype), text_embeds], dim=1)
         return self.language_model.hidden_states(inputs_embeds, logits_from=image_embeds.shape[1])
@@ -341,7 +347,7 @@ class TinyVLM(nn.Module):
         if images_per_row is not None:
             slots = torch.arange(pixel_values.shape[1], device=pixel_values.device)
             pixel_values = pixel_values[slots < images_per_row.to(pixel_values.device)[:, None]]
-        image_embeds = self.multi_modal_projector(self.vision_tower(pixel_values))
+        image_embeds = self.get_image_features(pixel_values)
         is_image = input_ids == IMAGE_PLACEHOLDER_ID
         placeholders = int(is_image.sum())
         if placeholders != image_embeds.shape[0] * image_embeds.shape[1]:

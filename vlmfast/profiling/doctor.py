@@ -59,6 +59,7 @@ class Evidence:
     mfu: float | None = None
     bf16_supported: bool = True
     tokens_per_s: float | None = None  # real input tokens per second over the timed steps
+    vision_frozen: bool | None = None  # the vision tower has no trainable parameter (None: no tower found)
 
 
     @classmethod
@@ -256,11 +257,20 @@ def _vision_tower(ev: Evidence) -> Finding | None:
     forward = ev.share("forward")
     if forward <= 0 or share / forward < 0.4:
         return None
-    return Finding("vision_tower", "The vision tower dominates the forward pass", 0.5 * share,
-                   f"vision tower {ev.mean_ms('vision_forward'):.1f} ms = {share / forward:.0%} of forward "
-                   f"({share:.0%} of the step)",
-                   {}, "frozen tower: precompute image features once; otherwise fewer/lower-resolution image tiles, "
-                   "bf16, or activation_checkpointing.scope: vision")
+    evidence = (f"vision tower {ev.mean_ms('vision_forward'):.1f} ms = {share / forward:.0%} of forward "
+                f"({share:.0%} of the step)")
+    cache_on = _spec_value(ev.spec, "vision_cache.enabled")
+    if ev.vision_frozen and cache_on is False:
+        # A frozen tower recomputes the same features every epoch: from epoch 2 the cache removes its forward.
+        return Finding("vision_tower", "A frozen vision tower recomputes the same features every epoch",
+                       0.9 * share, f"{evidence}; the tower is frozen",
+                       _first_valid(ev.spec, [{"vision_cache.enabled": True}]),
+                       "the gain starts in epoch 2 (epoch 1 fills the cache; a short trial shows only its cost); "
+                       "needs deterministic images (no random augmentation); disk: image tokens x width x dtype "
+                       "bytes per image (`vlmfast estimate-memory --vision-cache`)")
+    return Finding("vision_tower", "The vision tower dominates the forward pass", 0.5 * share, evidence,
+                   {}, "frozen tower: vision_cache.enabled caches its features from epoch 2; otherwise "
+                   "fewer/lower-resolution image tiles, bf16, or activation_checkpointing.scope: vision")
 
 
 def _memory_fraction(ev: Evidence) -> float | None:
@@ -381,7 +391,18 @@ def collect_evidence(trainer: Any, result: Any) -> Evidence:
         device_memory_gb=torch.cuda.get_device_properties(device).total_memory / GB if cuda else None,
         padding_fraction=peek_padding(trainer.loader), top_ops=list(getattr(trace, "top_ops", [])),
         bf16_supported=torch.cuda.is_bf16_supported() if cuda else True,
+        vision_frozen=_vision_frozen(trainer.engine.module),
     )
+
+
+def _vision_frozen(model: Any) -> bool | None:
+    """Whether the model's vision tower (found by its usual names) has no trainable parameter."""
+    from vlmfast.profiling.phase_timer import find_submodules
+
+    tower = find_submodules(model).get("vision")
+    if tower is None:
+        return None
+    return not any(p.requires_grad for p in tower.parameters())
 
 
 def peek_padding(loader: Any, batches: int = 4) -> float | None:

@@ -24,6 +24,7 @@ from vlmfast.strategies.compile import TorchCompile
 from vlmfast.strategies.ema import EMA
 from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropy
 from vlmfast.strategies.nonfinite import NonFiniteGuard
+from vlmfast.strategies.vision_cache import VisionCache
 
 
 @dataclass
@@ -36,6 +37,21 @@ class BuildContext:
 
 def _attention(spec: Any, ctx: BuildContext) -> Strategy | None:
     return AttentionBackend(spec.attention, precision=spec.precision) if spec.attention.backend is not None else None
+
+
+def _vision_cache(spec: Any, ctx: BuildContext) -> Strategy | None:
+    if not spec.vision_cache.enabled:
+        return None
+    if spec.engine == "fsdp" or (spec.engine == "deepspeed" and spec.deepspeed.zero_stage == 3):
+        # A sharded tower all-gathers its weights in forward: a rank whose images all hit would skip collectives
+        # that the other ranks wait in.
+        raise ValueError(f"vision_cache.enabled does not work with engine: {spec.engine} sharding the weights "
+                         "(ranks that hit the cache would skip the tower's all-gathers): use engine: ddp, or "
+                         "deepspeed.zero_stage <= 2")
+    data = spec.data
+    preprocessing = {"device_image_size": data.device_image_size, "image_key": data.image_key,
+                     "image_mean": data.image_mean, "image_std": data.image_std} if data.device_image_size else {}
+    return VisionCache(spec.vision_cache, preprocessing)
 
 
 def _activation_checkpointing(spec: Any, ctx: BuildContext) -> Strategy | None:
@@ -71,6 +87,7 @@ def _ema(spec: Any, ctx: BuildContext) -> Strategy | None:
 # In order: `apply` runs top to bottom, and so does every step point (clipping after the loss corrections).
 OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
     _attention,
+    _vision_cache,  # before checkpointing and compile: they wrap the tower the cache stands in for
     _activation_checkpointing,
     _linear_cross_entropy,
     _clipping,

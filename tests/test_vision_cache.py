@@ -1,0 +1,454 @@
+"""The frozen-tower feature cache (vision_cache): same training with and without it, the tower skipped on hits,
+invalidation and refusals, the store, the Hugging Face layouts, and the other strategies and engines around it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.features import FeatureStore, KeyedCollate, check_deterministic
+from vlmfast.features.cache import FeatureCache
+from vlmfast.features.keys import KEYS_FIELD, FlatKeys, batch_image_keys
+from vlmfast.models.shapes import build_tiny_vlm_task
+from vlmfast.models.tiny_vlm import TinyVLMConfig
+from vlmfast.strategies.registry import BuildContext, build_strategies
+from vlmfast.strategies.vision_cache import VisionCache, cache_vision_features
+
+FROZEN_ALL = ["vision_tower", "multi_modal_projector"]
+
+
+def _task(samples: int = 32, config: TinyVLMConfig | None = None, frozen: list[str] = FROZEN_ALL):
+    model, dataset, collate = build_tiny_vlm_task(seed=0, num_samples=samples, config=config)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not any(name.startswith(f) for f in frozen))
+    return model, dataset, collate
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is as fast and does not fight the other processes on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _fit(tmp_path, cache: bool, *, frozen=FROZEN_ALL, samples=32, steps=8, collate=None, **extra):
+    model, dataset, default = _task(samples, frozen=frozen)
+    spec = {"max_steps": steps, "batch_size": 8, "micro_batch_size": 4, "device": "cpu", "log": {"progress": "off"},
+            "optimizer": {"freeze": list(frozen)}, "vision_cache": {"enabled": cache, "dir": str(tmp_path / "cache")},
+            **extra}
+    trainer = OptimizedTrainer(model, dataset, TrainSpec(**spec), collate_fn=collate or default)
+    result = trainer.fit()
+    return trainer, result
+
+
+def _cache_of(trainer) -> FeatureCache:
+    return next(s for s in trainer.strategies if isinstance(s, VisionCache)).cache
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- the promise: same losses and gradients, the tower skipped from epoch 2 ------------------------------------
+@pytest.mark.parametrize("frozen", [FROZEN_ALL, ["vision_tower"]], ids=["tower+projector", "tower"])
+def test_two_epochs_same_losses_and_weights_and_epoch_two_all_hits(tmp_path, frozen):
+    plain, plain_result = _fit(tmp_path, False, frozen=frozen)
+    cached, cached_result = _fit(tmp_path, True, frozen=frozen)
+    assert [h["loss"] for h in cached_result.history] == [h["loss"] for h in plain_result.history]
+    base, other = _weights(plain.engine.module), _weights(cached.engine.module)
+    assert all(torch.equal(base[k], other[k]) for k in base)  # 8 AdamW steps on bit-equal gradients
+    epoch2 = cached_result.history[4:]
+    assert [h["vision_cache/misses"] for h in epoch2] == [0] * 4
+    assert [h["vision_cache/hits"] for h in epoch2] == [8] * 4
+    cache = _cache_of(cached)
+    expected = "get_image_features" if frozen == FROZEN_ALL else "vision_tower.forward"
+    assert cache.unit.name == expected and cache.stats.hit_rate == 0.5
+    line = next(s for s in cached_result.report.strategies if s.startswith("vision_cache"))
+    assert "hit rate 50%" in line and "entries" in line
+
+
+def test_tower_does_not_run_on_hits(tmp_path):
+    model, dataset, collate = _task(8)
+    calls = []
+    model.vision_tower.register_forward_pre_hook(lambda *a: calls.append(1))
+    cache = cache_vision_features(model, tmp_path)
+    batch = collate([dataset[i] for i in range(8)])
+    first = model(**batch).loss
+    assert len(calls) == 3  # the run + the first-call determinism probe (two runs on two images)
+    second = model(**batch).loss
+    assert len(calls) == 3 and torch.equal(first, second) and cache.stats.hits == 8
+
+
+def test_hand_loop_gradients_equal_every_step_with_keys_from_loader_workers(tmp_path):
+    """The standalone hook in a plain loop; KeyedCollate hashes in a DataLoader worker, not on the training thread."""
+
+    def grads_per_step(use_cache: bool) -> list[dict[str, torch.Tensor]]:
+        model, dataset, collate = _task(16, frozen=["vision_tower"])
+        cache = cache_vision_features(model, tmp_path / "hand") if use_cache else None
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        loader = DataLoader(dataset, batch_size=8, collate_fn=KeyedCollate(collate) if use_cache else collate,
+                            num_workers=1,
+                            generator=torch.Generator().manual_seed(0), shuffle=True)
+        out = []
+        for _ in range(2):  # epochs
+            for batch in loader:
+                optimizer.zero_grad()
+                model(**batch).loss.backward()
+                out.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+                optimizer.step()
+        if cache is not None:
+            assert cache.stats.hashed_images == 0 and cache.stats.hits == 16 and cache.stats.misses == 16
+        return out
+
+    for plain, cached in zip(grads_per_step(False), grads_per_step(True), strict=True):
+        assert plain.keys() == cached.keys() and all(torch.equal(plain[k], cached[k]) for k in plain)
+
+
+def test_keys_from_a_trainer_collate_fn(tmp_path):
+    _, _, collate = _task(8)
+    trainer, _ = _fit(tmp_path, True, collate=KeyedCollate(collate), data={"num_workers": 1}, steps=8)
+    cache = _cache_of(trainer)
+    assert cache.stats.hashed_images == 0 and cache.stats.hits == 32 and "loader workers" in cache.describe()
+
+
+# ---- invalidation and refusals --------------------------------------------------------------------------------
+def test_changed_weight_or_dtype_starts_a_new_store_with_the_right_features(tmp_path):
+    model, dataset, collate = _task(4)
+    cache = cache_vision_features(model, tmp_path)
+    batch = collate([dataset[i] for i in range(4)])
+    model(**batch)
+    model(**batch)
+    assert cache.stats.hits == 4 and len(cache.stores) == 1
+    with torch.no_grad():
+        model.vision_tower.blocks[0].mlp.fc1.weight[0, 0] += 0.5  # in place: the version counter moves
+    changed = model(**batch).loss
+    assert cache.stats.misses == 8 and len(cache.stores) == 2  # nothing served from the old store
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_loss = model(**batch).loss
+    assert cache.stats.misses == 12 and len(cache.stores) == 3  # the compute dtype is part of the fingerprint
+    cache.remove()
+    assert torch.equal(model(**batch).loss, changed)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(**batch).loss, autocast_loss)
+
+
+class _RandomFlip(Dataset):
+    def __init__(self, data: Dataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        sample = dict(self.data[i])
+        if torch.rand(()) < 0.5:
+            sample["image"] = sample["image"].flip(-1)
+        return sample
+
+
+def test_random_flip_is_refused_before_training_and_never_served_stale(tmp_path):
+    model, dataset, collate = _task(8)
+    flipped = _RandomFlip(dataset)
+    assert check_deterministic(dataset, collate) is None
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    reason = check_deterministic(flipped, collate, indices=range(8))
+    assert "random transform" in reason and torch.equal(torch.get_rng_state(), state)  # RNG untouched
+    with pytest.raises(ValueError, match="random transform"):
+        VisionCache(TrainSpec().vision_cache).wrap_data(flipped, collate)
+    # Content keys: a flipped image is another image, so it misses; its features are its own.
+    cache = cache_vision_features(model, tmp_path)
+    batch = collate([dataset[i] for i in range(8)])
+    model(**batch)
+    flip = {**batch, "pixel_values": batch["pixel_values"].flip(-1)}
+    served = model(**flip).loss
+    assert cache.stats.misses == 16
+    cache.remove()
+    assert torch.equal(served, model(**flip).loss)
+
+
+def test_a_training_tower_or_a_sharded_engine_is_refused_naming_the_field(tmp_path):
+    model, _, _ = _task(4, frozen=[])
+    with pytest.raises(ValueError, match=r"trains .*optimizer\.freeze"):
+        cache_vision_features(model, tmp_path)
+    for engine in ({"engine": "fsdp"}, {"engine": "deepspeed", "deepspeed": {"zero_stage": 3}}):
+        spec = TrainSpec(vision_cache={"enabled": True}, **engine)
+        with pytest.raises(ValueError, match=r"vision_cache\.enabled does not work with engine"):
+            build_strategies(spec, BuildContext(torch.device("cpu")))
+    with pytest.raises(ValueError, match="unknown key 'max_gib' in section 'vision_cache'; did you mean 'max_gb'"):
+        TrainSpec(vision_cache={"enabled": True, "max_gib": 2})
+
+
+def test_random_tower_turns_the_cache_off_and_training_is_unchanged(tmp_path):
+    config = TinyVLMConfig(dropout=0.2)
+    losses = []
+    for use_cache in (False, True):
+        model, dataset, collate = _task(4, config=config, frozen=["vision_tower"])
+        cache = cache_vision_features(model, tmp_path) if use_cache else None
+        torch.manual_seed(3)
+        losses.append([model(**collate([dataset[i] for i in range(4)])).loss for _ in range(2)])
+    assert torch.equal(torch.stack(losses[0]), torch.stack(losses[1]))  # the probe's RNG use is undone
+    assert "different features" in cache.disabled and cache.stats.hits == 0
+    assert "off (two runs" in cache.describe()
+
+
+# ---- the store ------------------------------------------------------------------------------------------------
+def test_store_round_trip_writers_bound_and_crash_tail(tmp_path):
+    key = [bytes([i]) * 16 for i in range(4)]
+    a = FeatureStore(tmp_path, max_bytes=4096)
+    b = FeatureStore(tmp_path, max_bytes=4096)  # a second process on the same folder: its own writer slot
+    assert (a.writer, b.writer) == (0, 1)
+    x, y = torch.randn(3, 5), torch.randn(2, 4).to(torch.bfloat16)
+    assert a.put(key[0], x) and b.put(key[1], y) and not a.put(key[0], x)
+    assert b.get(key[0]) is None and b.refresh() == 1
+    assert torch.equal(b.read(b.get(key[0])), x) and torch.equal(a.read(a.get(key[0])), x)
+    a.refresh()
+    assert torch.equal(a.read(a.get(key[1])), y) and a.get(key[1]).dtype == torch.bfloat16
+    assert not a.put(key[2], torch.zeros(1200)) and a.full  # 4800 bytes > what is left of 4096
+    b.close()
+    with open(tmp_path / "w1.idx", "ab") as f:
+        f.write(b"\x01" * 10)  # a record torn by a kill
+    c = FeatureStore(tmp_path, max_bytes=4096)  # takes the free slot 1, drops the torn tail, appends after y
+    assert c.writer == 1 and os.path.getsize(tmp_path / "w1.idx") == 64
+    assert c.put(key[3], torch.ones(4)) and torch.equal(c.read(c.get(key[1])), y)
+    reader = FeatureStore(tmp_path, max_bytes=4096, read_only=True)
+    assert reader.writer is None and len(reader) == 3 and not reader.put(bytes(16), x)
+    for store in (a, c, reader):
+        store.close()
+
+
+def test_batch_keys_follow_rows_and_split_with_micro_batches():
+    from vlmfast.data.batch import split_batch
+
+    pixels = torch.rand(4, 3, 8, 8)
+    keys = batch_image_keys({"pixel_values": pixels})
+    assert len(keys) == 4 and len(set(keys)) == 4 and [len(k) for k in keys] == [1] * 4
+    halves = split_batch({"pixel_values": pixels, KEYS_FIELD: keys}, 2)
+    assert [h[KEYS_FIELD] for h in halves] == [keys[:2], keys[2:]]
+    packed = batch_image_keys({"pixel_values": torch.rand(2, 3, 3, 8, 8), "images_per_row": torch.tensor([3, 1])})
+    assert [len(k) for k in packed] == [3, 1]
+    flat = batch_image_keys({"pixel_values": torch.rand(12, 6), "image_grid_thw": torch.tensor([[1, 2, 4], [1, 2, 2]])})
+    assert isinstance(flat, FlatKeys) and len(flat.keys) == 2
+
+
+# ---- Hugging Face VLMs: LLaVA, Idefics3 / SmolVLM, Qwen2-VL (tiny configs, no download) ------------------------
+def _loss_and_grads(model, batch):
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_hf(tmp_path, model, first, mixed, expected_unit):
+    """Uncached loss and gradients, then cached: all misses and all hits bit-equal; a mix within 1e-6 (the tower
+    then runs on the missed images alone, and a batch of another size may round differently in the last bit)."""
+    expected = [_loss_and_grads(model, b) for b in (first, first, mixed)]
+    cache = cache_vision_features(model, tmp_path)
+    assert cache.unit.name == expected_unit
+    for call, (batch, (loss, grads)) in enumerate(zip((first, first, mixed), expected, strict=True)):
+        got_loss, got_grads = _loss_and_grads(model, batch)
+        assert grads.keys() == got_grads.keys()
+        if call < 2:
+            assert torch.equal(got_loss, loss) and all(torch.equal(grads[k], got_grads[k]) for k in grads)
+        else:
+            flat, got = (torch.cat([g[k].double().flatten() for k in sorted(grads)]) for g in (grads, got_grads))
+            assert abs(got_loss.item() - loss.item()) <= 1e-6 and (got - flat).norm() <= 1e-6 * flat.norm()
+    assert cache.stats.hits > 0 and cache.stats.misses > cache.stats.stored - 1
+    cache.remove()
+    return cache
+
+
+@pytest.mark.parametrize("frozen", [["vision_tower", "multi_modal_projector"], ["vision_tower"]],
+                         ids=["tower+projector", "tower"])
+def test_llava(tmp_path, frozen):
+    from conftest import LlavaDataset, tiny_llava
+
+    model = tiny_llava()
+    for name, param in model.named_parameters():
+        param.requires_grad_(not any(f in name for f in frozen))
+    data = LlavaDataset(12)
+    first = default_collate([data[i] for i in range(6)])
+    mixed = default_collate([data[i] for i in range(3, 9)])
+    unit = "get_image_features" if len(frozen) == 2 else "model.vision_tower.forward"
+    cache = _check_hf(tmp_path, model, first, mixed, unit)
+    assert (cache.stats.hits, cache.stats.misses) == (9, 9)
+
+
+def _tiny_text(transformers, vocab=64):
+    return dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _rows(prefix_tokens: list[list[int]], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    rows = [p + torch.randint(1, 50, (5,), generator=g).tolist() for p in prefix_tokens]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    return ids, mask
+
+
+def test_idefics3_padding_images_and_tower_scope(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    vision = transformers.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, image_size=16, patch_size=8)
+    config = transformers.Idefics3Config(vision_config=vision, text_config={**_tiny_text(transformers), "model_type":
+                                         "llama", "pad_token_id": 0}, image_token_id=60, scale_factor=2,
+                                         pad_token_id=0)
+
+    def batch(seed, images_per_row=(2, 1, 2)):
+        g = torch.Generator().manual_seed(seed)
+        pixels = torch.rand(3, 2, 3, 16, 16, generator=g)
+        for row, n in enumerate(images_per_row):
+            pixels[row, n:] = 0  # padding images: all zero
+        ids, mask = _rows([[60] * n for n in images_per_row], seed)
+        return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels,
+                "pixel_attention_mask": torch.ones(3, 2, 16, 16, dtype=torch.bool),
+                "labels": ids.masked_fill((ids == 60) | (mask == 0), -100)}
+
+    first = batch(0)
+    mixed = {**first, "pixel_values": first["pixel_values"].clone()}
+    mixed["pixel_values"][2, 0] = 0.5 * torch.rand(3, 16, 16)  # one new image among cached ones
+    for frozen, unit in ((("vision_model", "connector"), "get_image_features"),
+                         (("vision_model",), "model.vision_model.forward")):
+        model = transformers.Idefics3ForConditionalGeneration(config)
+        for name, param in model.named_parameters():
+            param.requires_grad_(not any(f in name for f in frozen))
+        cache = _check_hf(tmp_path / unit, model, first, mixed, unit)
+        assert (cache.stats.hits, cache.stats.misses) == (9, 6)  # 5 real images per batch; 1 new in the mix
+
+
+def test_qwen2_vl_variable_patch_counts(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    text = {**_tiny_text(transformers), "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                            "rope_theta": 10000.0}}
+    config = transformers.Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2), text_config=text, image_token_id=60, video_token_id=61,
+        vision_start_token_id=62, vision_end_token_id=63)
+    model = transformers.Qwen2VLForConditionalGeneration(config)
+    model.model.visual.requires_grad_(False)
+    grids = torch.tensor([[1, 4, 4], [1, 2, 4], [1, 4, 2]])  # 16, 8, 8 patches -> 4, 2, 2 image tokens
+    ids, mask = _rows([[62] + [60] * int(n) + [63] for n in grids.prod(-1) // 4], 0)
+    pixels = torch.rand(int(grids.prod(-1).sum()), 3 * 2 * 4 * 4)
+    first = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": (ids == 60).int(), "pixel_values": pixels,
+             "image_grid_thw": grids, "labels": ids.masked_fill((ids == 60) | (mask == 0), -100)}
+    mixed = {**first, "pixel_values": pixels.clone()}
+    mixed["pixel_values"][16:24] = torch.rand(8, pixels.shape[1])  # the second image changes
+    cache = _check_hf(tmp_path, model, first, mixed, "get_image_features")
+    assert (cache.stats.hits, cache.stats.misses) == (5, 4)
+    model.model.visual.merger.requires_grad_(True)
+    with pytest.raises(ValueError, match="merger"):
+        cache_vision_features(model, tmp_path, scope="tower")
+
+
+# ---- with the rest of the trainer: DDP, resume, packing, checkpointing, compile ---------------------------------
+def _ddp_worker(cache_dir: str) -> dict:
+    import tempfile
+
+    from vlmfast import OptimizedTrainer, TrainSpec
+
+    torch.set_num_threads(1)
+    out = {}
+    for use_cache in (False, True):
+        model, dataset, collate = _task(32)
+        spec = TrainSpec(max_steps=4, batch_size=8, device="cpu", log={"progress": "off"},
+                         optimizer={"freeze": FROZEN_ALL}, vision_cache={"enabled": use_cache, "dir": cache_dir},
+                         save={"dir": tempfile.mkdtemp(), "resume": "never"})
+        trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)
+        result = trainer.fit()
+        out[use_cache] = {"losses": [h["loss"] for h in result.history],
+                          "hits": [h.get("vision_cache/hits") for h in result.history],
+                          "weights": _weights(trainer.engine.module)}
+    return out
+
+
+def test_ddp_two_ranks_share_one_store(tmp_path):
+    """Each rank writes its own entries; in epoch 2 the sampler gives a rank images the other cached: all hit."""
+    from conftest import spawn_two_ranks
+
+    ranks = spawn_two_ranks(_ddp_worker, tmp_path, "ddp", str(tmp_path / "cache"))
+    for rank in ranks:
+        assert rank[True]["losses"] == rank[False]["losses"]
+        assert all(torch.equal(rank[True]["weights"][k], v) for k, v in rank[False]["weights"].items())
+        assert rank[True]["hits"] == [0, 0, 8, 8]  # 16 samples per rank: epoch 1 = steps 1-2
+    assert sorted(p.name for p in next((tmp_path / "cache").iterdir()).glob("w*.idx")) == ["w0.idx", "w1.idx"]
+
+
+def test_resume_reads_the_store_and_continues_exactly(tmp_path):
+    _, plain = _fit(tmp_path / "plain", False)
+    save = {"dir": str(tmp_path / "ckpt"), "every_steps": 4, "resume": "auto"}
+    _fit(tmp_path, True, steps=4, save=save)
+    trainer, resumed = _fit(tmp_path, True, steps=8, save=save)
+    assert resumed.resumed_from is not None
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in plain.history][4:]
+    assert [h["vision_cache/hits"] for h in resumed.history] == [8] * 4
+    assert _cache_of(trainer).stats.misses == 32  # the first run's, restored with the checkpoint
+
+
+@pytest.mark.parametrize("extra", [{"packing": {"enabled": True, "max_tokens": 128}},
+                                   {"activation_checkpointing": {"enabled": True}}], ids=["packing", "checkpointing"])
+def test_with_packing_or_activation_checkpointing(tmp_path, extra):
+    _, plain = _fit(tmp_path, False, **extra)
+    _, cached = _fit(tmp_path, True, **extra)
+    assert [h["loss"] for h in cached.history] == [h["loss"] for h in plain.history]
+    assert sum(h["vision_cache/hits"] for h in cached.history[4:]) == 32
+
+
+def test_with_torch_compile_of_the_whole_model(tmp_path):
+    """The cached call is a graph break (eager lookups) inside the compiled forward."""
+    _, plain = _fit(tmp_path, False, samples=16, steps=4)
+    _, cached = _fit(tmp_path, True, samples=16, steps=4, compile={"enabled": True, "backend": "aot_eager"})
+    assert [h["loss"] for h in cached.history] == pytest.approx([h["loss"] for h in plain.history], abs=1e-6)
+    assert [h["vision_cache/hits"] for h in cached.history] == [0, 0, 8, 8]
+    assert any(s.startswith("torch.compile: whole model") for s in cached.report.strategies)
+
+
+# ---- doctor and estimate-memory know it -------------------------------------------------------------------------
+def test_doctor_proposes_the_cache_for_a_frozen_tower_that_dominates_forward():
+    from vlmfast.profiling.doctor import Evidence, _vision_frozen, diagnose
+
+    sample = {"perf/step_time": 0.1, "perf/forward_time": 0.05, "perf/vision_forward_time": 0.03,
+              "perf/backward_time": 0.05}
+
+    def finding(spec, frozen):
+        return next(f for f in diagnose(Evidence(samples=[sample], spec=spec, vision_frozen=frozen))
+                    if f.key == "vision_tower")
+
+    spec = TrainSpec(batch_size=4)
+    frozen = finding(spec, True)
+    assert frozen.change == {"vision_cache.enabled": True} and "epoch 2" in frozen.advice
+    assert finding(spec, False).change == {}  # a training tower: other advice
+    assert finding(TrainSpec(batch_size=4, vision_cache={"enabled": True}), True).change == {}  # already on
+    model, _, _ = _task(4)
+    assert _vision_frozen(model) is True
+    model.vision_tower.requires_grad_(True)
+    assert _vision_frozen(model) is False
+
+
+def test_estimate_memory_prints_the_cache_footprint(capsys):
+    import argparse
+
+    from vlmfast.features.footprint import cache_footprint
+    from vlmfast.memory.estimate_cli import add_estimate_memory_parser
+    from vlmfast.memory.known_models import build_estimate_model
+
+    tiny = cache_footprint(build_estimate_model("tiny-vlm"), images=1000, dtype_bytes=4, frozen=("projector",))
+    assert (tiny.scope, tiny.feature_shape, tiny.bytes_per_image) == ("tower_and_projector", (9, 128), 9 * 128 * 4)
+    parser = argparse.ArgumentParser()
+    add_estimate_memory_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["estimate-memory", "--model", "tiny-vlm", "--freeze", "vision_tower",
+                              "--vision-cache", "4096", "--precision", "fp32", "--gpu-gb", "8"])
+    args.run(args)
+    assert "vision cache (tower): 9 x 64 x 4 B = 2.2 KiB per image -> 9.0 MiB on disk for 4,096 images" in \
+        capsys.readouterr().out
