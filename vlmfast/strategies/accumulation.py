@@ -16,8 +16,8 @@ Usage in a hand-written loop::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,15 @@ import torch
 from torch import nn
 
 from vlmfast.data.batch import batch_size_of, move_to_device, split_batch
-from vlmfast.engines.collectives import all_reduce_sum, sum_and_max, world_size
+from vlmfast.engines.collectives import all_reduce_sum, sum_and_max, sum_loss_and_flags, world_size
+from vlmfast.integrations import (
+    after_agreement,
+    check_loop,
+    loop_backward,
+    loop_forward_context,
+    loop_of,
+    no_sync,
+)
 from vlmfast.strategies.base import Step, Strategy
 from vlmfast.utils import unwrap_model
 
@@ -254,23 +262,14 @@ def _mean_to_share(mean_loss: torch.Tensor, plan: AccumulationPlan, index: int) 
     return mean_loss * (n_items / plan.divisor)
 
 
-def sync_context(model: nn.Module, is_last: bool) -> AbstractContextManager[Any]:
-    """Skip the gradient reduction on every micro-batch but the last (DDP's `no_sync`, FSDP2's
-    `set_requires_gradient_sync(False)`)."""
-    if is_last:
-        return nullcontext()
-    if hasattr(model, "set_requires_gradient_sync"):
-        return _fsdp_no_sync(model)
-    return model.no_sync() if hasattr(model, "no_sync") else nullcontext()
+def sync_context(model: nn.Module, is_last: bool, loop: Any = None) -> AbstractContextManager[Any]:
+    """Skip the gradient reduction on every micro-batch but the last: the loop's own no-sync when `loop` (an
+    Accelerator or a Fabric) is given, else DDP's `no_sync` / FSDP2's `set_requires_gradient_sync(False)` on the
+    module found inside the model (through Fabric's and torch.compile's wrappers).
 
-
-@contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+    Usage: ``with sync_context(model, index == last, loop=fabric): fabric.backward(loss)``
+    """
+    return no_sync(model, loop, enabled=not is_last)
 
 
 def accumulate_gradients(
@@ -281,13 +280,23 @@ def accumulate_gradients(
     loss_fn: LossFn | None = None,
     weighting: str = "auto",
     device: torch.device | None = None,
-    forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    loop: Any = None,
 ) -> torch.Tensor:
     """Run forward/backward over `batch` in micro-batches, leaving the full-batch gradient in `.grad`.
 
-    Returns the batch loss (detached). Usage: ``loss = accumulate_gradients(model, batch, 2); optimizer.step()``.
+    `batch` is this rank's part of the optimizer batch. Returns the loss of the whole optimizer batch, across ranks
+    (detached; the same value on every rank). `loop` is the Accelerator or Fabric running the loop: its autocast,
+    backward and no-sync are used (given `backward=accelerator.backward`, the loop is found from it).
+    Under DDP only the last micro-batch's backward all-reduces. Usage::
+
+        loss = accumulate_gradients(model, batch, 2, loop=accelerator); optimizer.step()
     """
+    loop = loop if loop is not None else loop_of(backward)
+    check_loop(loop)
+    forward_context = forward_context or loop_forward_context(loop) or nullcontext
+    backward = backward or loop_backward(loop) or torch.Tensor.backward
     ranks = world_size()
     accumulation = GradientAccumulation(weighting=weighting, loss_fn=loss_fn)
     accumulation.apply(model)
@@ -296,12 +305,24 @@ def accumulate_gradients(
     for index, micro_batch in enumerate(plan.micro_batches):
         if device is not None:
             micro_batch = move_to_device(micro_batch, device)
-        with sync_context(model, index == plan.last), forward_context():
-            share = accumulation.micro_batch_loss(model, micro_batch, plan, index)
-        backward(share * ranks if ranks > 1 else share)  # DDP averages over ranks; shares are global fractions
+        # Forward and backward inside the no-sync context (DDP decides at forward whether backward reduces);
+        # autocast around forward only.
+        with sync_context(model, index == plan.last, loop):
+            with forward_context():
+                share = accumulation.micro_batch_loss(model, micro_batch, plan, index)
+            backward(share * ranks if ranks > 1 else share)  # DDP averages over ranks; shares are global fractions
         total = total.to(share.device) + share.detach().float()
+    after_agreement(lambda: _finish(model, accumulation, plan, total))
+    return total
+
+
+def _finish(model: nn.Module, accumulation: GradientAccumulation, plan: AccumulationPlan, total: torch.Tensor) -> None:
+    """The step's cross-rank work: the loss-count correction (loss_fn counts) and the global loss, in place."""
     factor = accumulation.correction(plan)
     if factor != 1.0:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, factor)
-    return total * factor
+    if world_size() > 1:
+        total.copy_(sum_loss_and_flags(total, wants_stop=False)[0])
+    if factor != 1.0:
+        total.mul_(factor)
