@@ -19,6 +19,8 @@ Usage::
 from __future__ import annotations
 
 import contextvars
+import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -32,13 +34,16 @@ __all__ = [
     "deferring",
     "find_ddp",
     "find_sync_module",
+    "launch_warning",
     "loop_backward",
     "loop_forward_context",
     "loop_kind",
     "loop_of",
     "no_sync",
+    "warn_if_launched_alone",
 ]
 
+log = logging.getLogger(__name__)
 _WRAPPER_ATTRIBUTES = ("_forward_module", "_orig_mod")  # Fabric's wrapper, torch.compile's OptimizedModule
 
 
@@ -106,6 +111,7 @@ def check_loop(loop: Any) -> None:
     """
     if loop_kind(loop) != "accelerate":
         return
+    _warn_once(launch_warning(loop))
     steps = int(getattr(loop, "gradient_accumulation_steps", 1) or 1)
     if steps > 1:
         raise ValueError(
@@ -115,6 +121,48 @@ def check_loop(loop: Any) -> None:
             f"and give accumulate_gradients the whole optimizer batch (a loader batch {steps}x larger, the same "
             "micro_batch_size: the same memory and the exact token-weighted gradient)"
         )
+
+
+_MPI_WORLD = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+_warned: set[str] = set()
+
+
+def launch_warning(accelerator: Any = None, environ: dict[str, str] | None = None) -> str | None:
+    """Why this process trains alone although a launcher asked for several, or None.
+
+    Two cases seen on machines without GPUs: ``accelerate launch --num_processes N`` uses its simple launcher, which
+    starts one process and sets no WORLD_SIZE (only MASTER_ADDR); and an ``Accelerator()`` under torchrun (or
+    ``--multi_gpu``) that finds no GPU ignores WORLD_SIZE, so every process trains alone on its own data.
+
+    Usage: ``if (message := launch_warning(accelerator)): print(message)``
+    """
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    if (accelerator is not None and world > 1 and int(getattr(accelerator, "num_processes", world)) == 1):
+        return (f"WORLD_SIZE is {world} but this Accelerator runs alone (distributed type NO: it found no GPU), so "
+                "each process trains on its own: create it with Accelerator(cpu=True) on CPU, or set "
+                "ACCELERATE_USE_CPU=true")
+    launched_by_accelerate = any(key.startswith("ACCELERATE_") for key in env)
+    if (launched_by_accelerate and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
+            and not any(key in env for key in _MPI_WORLD)):
+        return ("accelerate launch was asked for several processes but started only this one (its simple launcher, "
+                "used without GPUs or without --multi_gpu): this run trains alone. On CPU use `accelerate launch "
+                "--multi_gpu --num_processes N ...` (Accelerate loops also need Accelerator(cpu=True)) or "
+                "`torchrun --nproc_per_node N ...`")
+    return None
+
+
+def _warn_once(message: str | None) -> None:
+    if message and message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
+def warn_if_launched_alone(accelerator: Any = None) -> str | None:
+    """Log :func:`launch_warning` once per process (the trainer calls it when it finds a single process)."""
+    message = launch_warning(accelerator)
+    _warn_once(message)
+    return message
 
 
 def loop_forward_context(loop: Any) -> Callable[[], AbstractContextManager[Any]] | None:
