@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vlmfast.memory.estimator import _DTYPES, CHECKPOINT_SCOPES, OPTIMIZERS
+from vlmfast.memory.estimator import CHECKPOINT_SCOPES, OPTIMIZERS
 from vlmfast.memory.known_models import KNOWN_CONFIGS, TINY_VLM, estimate_from_hf_config
+from vlmfast.utils import PRECISION_DTYPES
 
 __all__ = ["add_estimate_memory_parser", "run_estimate_memory"]
 
@@ -27,7 +28,8 @@ def add_estimate_memory_parser(subparsers: Any) -> argparse.ArgumentParser:
     source.add_argument("--model", choices=[*KNOWN_CONFIGS, TINY_VLM], default="llava-1.5-7b",
                         help="a known model (default: llava-1.5-7b)")
     source.add_argument("--hf-config", metavar="CONFIG.json", help="a Hugging Face config.json (or its folder)")
-    p.add_argument("--precision", choices=sorted(_DTYPES), default="bf16", help="training precision (default bf16)")
+    p.add_argument("--precision", choices=sorted(PRECISION_DTYPES), default="bf16",
+                   help="training precision (default bf16)")
     p.add_argument("--no-master-weights", dest="master_weights", action="store_false",
                    help="16-bit optimizer states, no fp32 master weights (the reference guide's accounting)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
