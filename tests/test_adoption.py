@@ -50,3 +50,89 @@ def test_launch_warning_when_accelerate_launch_started_one_process(monkeypatch: 
     with caplog.at_level(logging.WARNING, logger="vlmfast.integrations"):
         assert init_distributed().world_size == 1  # the trainer's first call
     assert "started only this one" in caplog.text
+
+
+CNN_TASK = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(F.relu(self.norm(self.conv(x))).mean(dim=(2, 3)))
+
+
+def loss_fn(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def build():
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(3, 8, 8, generator=g), "y": torch.tensor(i % 3)} for i in range(32)]
+    return SmallCNN(), data, None, loss_fn
+
+
+def build_dict():
+    model, data, _, loss = build()
+    return {"model": model, "train_data": data, "loss_fn": loss}
+
+
+def two_things():
+    return SmallCNN(), []
+
+
+def not_a_model():
+    return "model", [], None
+
+
+def bad_loss():
+    return SmallCNN(), [], None, 3
+'''
+
+
+@pytest.fixture
+def cnn_task(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "cnn_task.py").write_text(CNN_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return "cnn_task"
+
+
+def test_task_may_return_a_loss_fn_and_batchnorm_is_warned_about_once(cnn_task, caplog, monkeypatch) -> None:
+    from vlmfast.cli import main as vlmfast
+    from vlmfast.strategies import accumulation
+
+    monkeypatch.setattr(accumulation, "_BATCHNORM_WARNED", [])
+    run = ["train", "--set", "max_steps=3", "--set", "batch_size=8", "--set", "log.progress=off"]
+    with caplog.at_level(logging.WARNING):
+        assert vlmfast([*run, "--set", "micro_batch_size=4", "--task", f"{cnn_task}:build"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if "BatchNorm" in r.getMessage()]
+    assert len(warnings) == 1 and "(norm)" in warnings[0] and "micro-batches of 4" in warnings[0]
+    caplog.clear()
+    monkeypatch.setattr(accumulation, "_BATCHNORM_WARNED", [])
+    with caplog.at_level(logging.WARNING):  # the dict shape, no split: nothing to warn about
+        assert vlmfast([*run, "--task", f"{cnn_task}:build_dict"]) == 0
+    assert "BatchNorm" not in caplog.text
+
+
+@pytest.mark.parametrize(("function", "message"), [
+    ("two_things", r"returned a tuple of 2 item\(s\) \(SmallCNN, list\); expected \(model, train_dataset, "
+                   r"collate_fn\), \(model, train_dataset, collate_fn, loss_fn\)"),
+    ("not_a_model", r"the model \(first item\) is a str, not a torch.nn.Module"),
+    ("bad_loss", r"loss_fn is a int, not a function"),
+])
+def test_task_returning_the_wrong_shape_names_what_it_returned(cnn_task, capsys, function, message) -> None:
+    import re
+
+    from vlmfast.cli import main as vlmfast
+
+    assert vlmfast(["train", "--task", f"{cnn_task}:{function}"]) == 2
+    error = capsys.readouterr().err
+    assert re.search(message, error), error

@@ -39,14 +39,13 @@ def add_doctor_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from vlmfast.cli import DEFAULT_TASK, _load_task, build_spec
+    from vlmfast.cli import _load_task, build_spec, run_task
 
     spec = build_spec(args.config, args.set)  # fails here, before any model or data is built
-    task = _load_task(args.task)
-    builtin = args.task == DEFAULT_TASK
+    _load_task(args.task)  # a bad --task fails before any run
 
-    def build_job() -> tuple[Any, Any, Any]:
-        return task(seed=spec.seed, num_samples=args.samples) if builtin else task()
+    def build_job() -> Any:
+        return run_task(args.task, spec.seed, args.samples)
 
     report = run_doctor(spec, build_job, steps=args.steps, apply=args.apply, out_dir=args.out)
     if report is None:  # not rank 0
@@ -99,8 +98,8 @@ def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
 
 
 def _fit(spec: Any, build_job: Any) -> tuple[Any, Any]:
-    from vlmfast.train.loop import OptimizedTrainer
+    from vlmfast.cli import task_job
 
-    model, dataset, collate = build_job()  # a fresh model per run: every trial starts from the same weights
-    trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)
+    job = build_job()  # a fresh model per run: every trial starts from the same weights
+    trainer = (job if hasattr(job, "trainer") else task_job(job, "build_job()")).trainer(spec)
     return trainer, trainer.fit()

@@ -16,6 +16,7 @@ Usage in a hand-written loop::
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from vlmfast.integrations import (
 from vlmfast.strategies.base import Step, Strategy
 from vlmfast.utils import unwrap_model
 
+log = logging.getLogger(__name__)
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
 
@@ -163,6 +165,7 @@ class GradientAccumulation(Strategy):
         self.loss_fn = loss_fn
         self.passes_num_items = False
         self.last_split = (0, 0)  # (micro-batches, size) of the last plan: for the report
+        self.batchnorm: list[str] = []  # BatchNorm layers in training mode change with the split: warned once
         self.resolved_weighting = weighting
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -171,6 +174,7 @@ class GradientAccumulation(Strategy):
         elif isinstance(self.shift_labels, str):
             self.shift_labels = self.shift_labels == "yes"
         self.passes_num_items = self.loss_fn is None and model_accepts_num_items(model)
+        self.batchnorm = batchnorm_layers(model)
         return model
 
     def plan(self, batch: Any, micro_batch_size: int) -> AccumulationPlan:
@@ -188,6 +192,8 @@ class GradientAccumulation(Strategy):
         micro_batches += [micro_batches[-1]] * padding
         items += [0] * padding
         self.last_split = (count, micro_batch_size)
+        if count > 1 and self.batchnorm:
+            warn_batchnorm_once(self.batchnorm, micro_batch_size)
         # With a loss_fn that reports its own counts, those are the truth: correct after backward if they differ.
         exact = known and self.loss_fn is None
         return AccumulationPlan(micro_batches, weighting, items, max(divisor, 1.0), exact, padding)
@@ -253,6 +259,29 @@ class GradientAccumulation(Strategy):
             self.resolved_weighting, f"weighting {self.resolved_weighting}")
         extra = ", num_items_in_batch passed to the model" if self.passes_num_items else ""
         return f"accumulation: {split} per optimizer step, {how}{extra}"
+
+
+def batchnorm_layers(model: nn.Module) -> list[str]:
+    """Names of the BatchNorm layers of `model` (their statistics depend on how the batch is split)."""
+    return [name or type(model).__name__ for name, module in unwrap_model(model).named_modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training]
+
+
+_BATCHNORM_WARNED: list[bool] = []
+
+
+def warn_batchnorm_once(layers: list[str], micro_batch_size: int) -> None:
+    """One warning per process: micro-batching is exact for every layer but BatchNorm (docs/accumulation.md)."""
+    if _BATCHNORM_WARNED:
+        return
+    _BATCHNORM_WARNED.append(True)
+    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    log.warning(
+        "the model has BatchNorm layers in training mode (%s): split into micro-batches of %d, each normalises with "
+        "its own micro-batch statistics and updates the running averages once per micro-batch, so the gradient and "
+        "the statistics differ from the full batch's (every other layer is exact). Use micro_batch_size = "
+        "batch_size, GroupNorm/LayerNorm, or BatchNorm in eval mode; see docs/accumulation.md", shown,
+        micro_batch_size)
 
 
 def _mean_to_share(mean_loss: torch.Tensor, plan: AccumulationPlan, index: int) -> torch.Tensor:
