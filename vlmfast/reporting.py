@@ -17,16 +17,20 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vlmfast.spec import LogSpec
+from vlmfast.tracking import open_trackers
 
 
 class MetricsLogger:
     """Writes per-step metrics to metrics.jsonl / TensorBoard and drives the progress bar."""
 
-    def __init__(self, spec: LogSpec, total_steps: int, initial_step: int = 0, enabled: bool = True) -> None:
+    def __init__(self, spec: LogSpec, total_steps: int, initial_step: int = 0, enabled: bool = True,
+                 config: dict[str, Any] | None = None) -> None:
         self.spec = spec
         self.enabled = enabled
         self._jsonl = None
         self._tensorboard = None
+        # W&B / MLflow get the records metrics.jsonl gets; `config` (the spec) is their run's parameters.
+        self._trackers = open_trackers(spec, config) if enabled else []
         if enabled and spec.dir is not None:
             Path(spec.dir).mkdir(parents=True, exist_ok=True)
             self._jsonl = open(Path(spec.dir) / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
@@ -56,6 +60,8 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(key if "/" in key else f"train/{key}", value, step)
+        for tracker in self._trackers:
+            tracker.log(metrics, step)
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""
@@ -68,6 +74,9 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
         return self

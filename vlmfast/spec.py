@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from vlmfast.sections import Section, SpecError, set_root
+from vlmfast.tracking import MLflowSpec, WandbSpec
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +302,8 @@ class LogSpec(Section):
         10, ge=1, description="read device memory every N steps (a process-RSS read costs ~0.1 ms on CPU)"
     )
     tensorboard: bool = Field(False, description="also write TensorBoard events to dir (needs tensorboard)")
+    wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases: the metrics.jsonl figures")
+    mlflow: MLflowSpec = Field(default_factory=MLflowSpec, description="MLflow: the metrics.jsonl figures")
     progress: Literal["auto", "on", "off"] = Field("auto", description="progress bar; auto: only on a terminal")
     history_steps: int = Field(
         10_000, ge=1, description="per-step records kept in memory (FitResult.history, the profiler's step times); "
