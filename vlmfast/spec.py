@@ -373,10 +373,11 @@ class ProfileSpec(Section):
     timing: bool = Field(True, description="time data wait / copy / forward / backward / optimizer / communication")
     every_steps: int = Field(10, ge=1, description="time one step in this many (one device sync per timed step)")
     warmup_steps: int = Field(1, ge=0, description="first steps never timed (lazy init, allocator warm-up)")
-    mfu: bool = Field(True, description="count FLOPs once per batch shape; report TFLOP/s and MFU")
-    flops: Literal["measured", "analytic"] = Field(
-        "measured", description="measured: torch FlopCounterMode on one micro-batch per shape; analytic: 6N per "
-        "token + attention (needs a transformer whose config names layers/heads)"
+    mfu: bool = Field(True, description="FLOPs of the timed steps; report TFLOP/s and MFU")
+    flops: Literal["auto", "measured", "analytic"] = Field(
+        "auto", description="analytic: 6N per token + attention (a transformer whose config names layers/heads; "
+        "costs nothing); measured: torch FlopCounterMode on a timed step's new batch shape (~6x that step, left out "
+        "of the timings); auto: analytic where the model allows it, else measured"
     )
     peak_tflops: float | None = Field(
         None, gt=0, description="device peak TFLOP/s for MFU (default: table of common GPUs at the run's "
