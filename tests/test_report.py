@@ -117,3 +117,25 @@ def test_step_time_chart_ends_at_the_last_step_with_the_legend_beside_it(tmp_pat
     captured["figure"].canvas.draw()
     box = legend.get_window_extent()
     assert box.x0 >= ax.get_window_extent().x1  # beside the axes: it covers no bar
+
+
+def test_activation_checkpointing_on_mllama_lists_its_blocks() -> None:
+    """Mllama's text layers mix two classes (self- and cross-attention) and its vision encoders loop over their own
+    layers: the report names what Hugging Face's switch checkpoints, not an empty list."""
+    transformers = pytest.importorskip("transformers")
+    from vlmfast.spec import ActivationCheckpointingSpec
+    from vlmfast.strategies.activation_checkpointing import ActivationCheckpointing
+
+    vision = {"hidden_size": 32, "num_hidden_layers": 2, "num_global_layers": 1, "attention_heads": 2,
+              "intermediate_size": 64, "image_size": 32, "patch_size": 16, "max_num_tiles": 1,
+              "intermediate_layers_indices": [0], "vision_output_dim": 64, "supported_aspect_ratios": [[1, 1]]}
+    text = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 64, "vocab_size": 64, "cross_attention_layers": [1], "pad_token_id": 0,
+            "bos_token_id": 1, "eos_token_id": 2}
+    model = transformers.MllamaForConditionalGeneration(
+        transformers.MllamaConfig(vision_config=vision, text_config=text, image_token_index=63))
+    strategy = ActivationCheckpointing(ActivationCheckpointingSpec(enabled=True))
+    strategy.apply(model)
+    line = strategy.describe()
+    assert "3/3 model.language_model.layers" in line, line
+    assert "2/2 model.vision_model.transformer.layers" in line and "1/1 model.vision_model.global_transformer" in line
