@@ -153,9 +153,10 @@ class OptimizedTrainer:
             tick = time.perf_counter()
             while self.state.step < self.spec.max_steps and not self._should_stop(guard):
                 self.timer.begin_step(self.state.step + 1)
+                waited = time.perf_counter()
                 with self.timer.phase("data_wait"):
                     batch = next(self.loader)
-                data_time = time.perf_counter() - tick
+                data_time = time.perf_counter() - waited  # blocked on the loader only, not the loop's bookkeeping
                 metrics = self._train_batch(batch)
                 metrics.update(self.timer.end_step())
                 now = time.perf_counter()
