@@ -2,10 +2,11 @@
 sections against the same run with profiling off (no phase timing, no FLOPs, no leak check), and the default demo's
 data wait.
 
-Runs alternate (default, off, off, default, ...) so drift hits both alike; each run's time is the wall time of
-``fit()`` without its first step (lazy initialisation, the same for both); the overhead is the median over repeats
-of the paired ratio. The data wait is the report's figure (sum of per-step data time / sum of step time) of the
-default runs.
+Runs alternate (default, off, off, default, ...) so drift hits both alike; each run's time is the time of ``fit()``
+without its first step (lazy initialisation, the same for both), as wall clock and as this process's CPU time (one
+torch thread, no loader workers: on a machine other jobs share, CPU time is the steadier measure of the work);
+the overhead is the median over repeats of the paired ratio. The data wait is the report's figure (sum of per-step
+data time / sum of step time) of the default runs.
 
 Usage::
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 
 import torch
@@ -30,23 +32,24 @@ OFF = {"profile": {"timing": False, "mfu": False}, "memory": {"leak_check": Fals
 
 
 class StepClock(Callback):
-    """Time from the end of the first step to the end of the last one."""
+    """Wall and CPU time from the end of the first step to the end of the last one."""
 
     def __init__(self) -> None:
-        self.stamps: list[float] = []
+        self.stamps: list[tuple[float, float]] = []
 
     def on_step_end(self, trainer, metrics) -> None:
-        self.stamps.append(time.perf_counter())
+        self.stamps.append((time.perf_counter(), time.process_time()))
 
 
-def run(spec: dict, steps: int, samples: int) -> tuple[float, float, dict]:
-    """Seconds for steps 2..N, the run's data-wait share, and the report's extra lines."""
+def run(spec: dict, steps: int, samples: int) -> tuple[tuple[float, float], float, dict]:
+    """(wall, CPU) seconds for steps 2..N, the run's data-wait share, and the report's extra lines."""
     model, dataset, collate = build_tiny_vlm_task(seed=0, num_samples=samples)
     clock = StepClock()
     trainer = OptimizedTrainer(model, dataset, TrainSpec(**{**spec, "max_steps": steps}), collate_fn=collate,
                                callbacks=[clock])
     result = trainer.fit()
-    return clock.stamps[-1] - clock.stamps[0], result.report.data_wait_ratio, result.report.extra
+    (wall0, cpu0), (wall1, cpu1) = clock.stamps[0], clock.stamps[-1]
+    return (wall1 - wall0, cpu1 - cpu0), result.report.data_wait_ratio, result.report.extra
 
 
 def main() -> None:
@@ -61,7 +64,9 @@ def main() -> None:
     default = {**copy.deepcopy(DEMO_SPEC), "log": {"progress": "off"}}
     off = {**default, **OFF}
     run(default, 3, args.samples)  # warm the process (imports, allocator) before any measured run
-    ratios, waits, times = [], [], {"default": [], "off": []}
+    ratios: dict[str, list[float]] = {"wall": [], "cpu": []}
+    waits: list[float] = []
+    times: dict[str, list[tuple[float, float]]] = {"default": [], "off": []}
     for repeat in range(args.repeats):
         order = [("default", default), ("off", off)] if repeat % 2 == 0 else [("off", off), ("default", default)]
         measured = {}
@@ -71,14 +76,19 @@ def main() -> None:
             times[name].append(seconds)
             if name == "default":
                 waits.append(wait)
-        ratios.append(measured["default"] / measured["off"])
-        print(f"pair {repeat + 1}: default {measured['default']:.3f} s, off {measured['off']:.3f} s, "
-              f"overhead {ratios[-1] - 1:+.2%}, data wait {waits[-1]:.1%}", flush=True)
-    result = {"steps": args.steps, "repeats": args.repeats, "threads": args.threads,
-              "overhead": median(ratios) - 1, "ratios": ratios, "seconds": times,
+        for i, clock in enumerate(("wall", "cpu")):
+            ratios[clock].append(measured["default"][i] / measured["off"][i])
+        print(f"pair {repeat + 1}: wall {measured['default'][0]:.3f} vs {measured['off'][0]:.3f} s "
+              f"({ratios['wall'][-1] - 1:+.2%}), CPU {measured['default'][1]:.3f} vs {measured['off'][1]:.3f} s "
+              f"({ratios['cpu'][-1] - 1:+.2%}), data wait {waits[-1]:.1%}", flush=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    result = {"steps": args.steps, "repeats": args.repeats, "threads": args.threads, "load_average_1min": load,
+              "overhead_wall": median(ratios["wall"]) - 1, "overhead_cpu": median(ratios["cpu"]) - 1,
+              "ratios": ratios, "seconds_wall_cpu": times,
               "data_wait_ratio": median(waits), "data_wait_ratios": waits}
-    print(f"profiling overhead (median of paired ratios): {result['overhead']:+.2%}; "
-          f"default demo data wait: {result['data_wait_ratio']:.1%}")
+    print(f"profiling overhead (median of paired ratios): wall {result['overhead_wall']:+.2%}, CPU time "
+          f"{result['overhead_cpu']:+.2%}; default demo data wait: {result['data_wait_ratio']:.1%} "
+          f"(load average {load})")
     print(write_result("profiling_overhead", torch.device("cpu"), result, args.out))
 
 

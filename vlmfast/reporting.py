@@ -118,7 +118,7 @@ class RunReport:
             f"  throughput {self.samples_per_s:.1f} samples/s, {self.tokens_per_s:.0f} tokens/s",
             f"  step time p50 {self.step_time_p50_s * 1e3:.1f} ms, p90 {self.step_time_p90_s * 1e3:.1f} ms, "
             f"p99 {self.step_time_p99_s * 1e3:.1f} ms ({STEP_TIME_DEFINITION}, {self.steps} steps); "
-            f"data wait {self.data_wait_ratio:.1%} of it",
+            f"data wait (blocked on the loader) {self.data_wait_ratio:.1%} of it",
             f"  peak memory {self.peak_memory_gb:.2f} GiB" + (" (process RSS)" if self.device == "cpu" else ""),
         ]
         if self.skipped_steps:
