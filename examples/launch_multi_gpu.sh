@@ -15,7 +15,7 @@
 #   MASTER_ADDR     address of the NODE_RANK 0 machine, reachable from all (required when NNODES > 1)
 #   MASTER_PORT     a free TCP port on it (default 29500)
 #   PYTHON          the interpreter with vlmfast installed (default: python)
-# torchrun then sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process; vlmfast reads them.
+# The launcher (torchrun) then sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each process.
 # Under SLURM: NNODES=$SLURM_NNODES NODE_RANK=$SLURM_NODEID, MASTER_ADDR = the first host of $SLURM_JOB_NODELIST.
 set -euo pipefail
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from vlmfast.cli_jobs import DEFAULT_TASK, add_job_arguments, build_spec, load_task
+from vlmfast.cli_jobs import DEFAULT_TASK, add_job_arguments, build_spec, run_task
 
 __all__ = ["main"]
 
@@ -94,13 +94,9 @@ def _cmd_spec(args: argparse.Namespace) -> int:
 def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:
     """The trainer for the job the arguments name, and the text-only baseline for the built-in task."""
     spec = build_spec(args.config, args.set)  # fails here, before the model or data are built
-    from vlmfast.train.loop import OptimizedTrainer
-
-    builtin = args.task == DEFAULT_TASK
-    task = load_task(args.task)
-    model, dataset, collate = task(seed=spec.seed, num_samples=args.samples) if builtin else task()
-    eval_data, baseline = _builtin_eval(spec.seed) if builtin else (None, None)
-    return OptimizedTrainer(model, dataset, spec, collate_fn=collate, eval_data=eval_data), baseline
+    job = run_task(args.task, spec.seed, args.samples)
+    eval_data, baseline = _builtin_eval(spec.seed) if args.task == DEFAULT_TASK else (None, None)
+    return job.trainer(spec, eval_data), baseline
 
 
 def _cmd_find_batch_size(args: argparse.Namespace) -> int:

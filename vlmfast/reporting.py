@@ -16,17 +16,25 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from vlmfast.profiling.phase_timer import percentile
 from vlmfast.spec import LogSpec
+from vlmfast.tracking import open_trackers
+
+# The one definition of "step time" the report prints (the profiler's phase split uses its timed steps only).
+STEP_TIME_DEFINITION = "wall clock from one optimizer step's end to the next's, data wait included"
 
 
 class MetricsLogger:
     """Writes per-step metrics to metrics.jsonl / TensorBoard and drives the progress bar."""
 
-    def __init__(self, spec: LogSpec, total_steps: int, initial_step: int = 0, enabled: bool = True) -> None:
+    def __init__(self, spec: LogSpec, total_steps: int, initial_step: int = 0, enabled: bool = True,
+                 config: dict[str, Any] | None = None) -> None:
         self.spec = spec
         self.enabled = enabled
         self._jsonl = None
         self._tensorboard = None
+        # W&B / MLflow get the records metrics.jsonl gets; `config` (the spec) is their run's parameters.
+        self._trackers = open_trackers(spec, config) if enabled else []
         if enabled and spec.dir is not None:
             Path(spec.dir).mkdir(parents=True, exist_ok=True)
             self._jsonl = open(Path(spec.dir) / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
@@ -56,6 +64,8 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(key if "/" in key else f"train/{key}", value, step)
+        for tracker in self._trackers:
+            tracker.log(metrics, step)
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""
@@ -68,6 +78,9 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -94,6 +107,7 @@ class RunReport:
     skipped_steps: int = 0
     strategies: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    step_time_p99_s: float = 0.0
 
     def to_text(self) -> str:
         loss = (f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}" if self.final_loss is not None
@@ -102,8 +116,9 @@ class RunReport:
             f"vlmfast run report ({self.device})",
             f"  steps {self.steps} in {self.wall_time_s:.1f} s; {loss}",
             f"  throughput {self.samples_per_s:.1f} samples/s, {self.tokens_per_s:.0f} tokens/s",
-            f"  step time p50 {self.step_time_p50_s * 1e3:.1f} ms, p90 {self.step_time_p90_s * 1e3:.1f} ms; "
-            f"data wait {self.data_wait_ratio:.1%} of step time",
+            f"  step time p50 {self.step_time_p50_s * 1e3:.1f} ms, p90 {self.step_time_p90_s * 1e3:.1f} ms, "
+            f"p99 {self.step_time_p99_s * 1e3:.1f} ms ({STEP_TIME_DEFINITION}, {self.steps} steps); "
+            f"data wait (blocked on the loader) {self.data_wait_ratio:.1%} of it",
             f"  peak memory {self.peak_memory_gb:.2f} GiB" + (" (process RSS)" if self.device == "cpu" else ""),
         ]
         if self.skipped_steps:
@@ -124,18 +139,16 @@ class RunReport:
         cls, history: list[dict[str, Any]], wall_time: float, *, world_size: int, **fields: Any
     ) -> RunReport:
         """Summarise per-step metrics: throughput over all ranks, step-time percentiles, data-wait share."""
-        times = sorted(m["step_time"] for m in history) or [0.0]
+        times = [m["step_time"] for m in history]
         total_time = sum(times) or 1.0
         return cls(
             steps=len(history), wall_time_s=wall_time,
             samples_per_s=sum(m["samples"] for m in history) * world_size / total_time,
             tokens_per_s=sum(m["tokens"] for m in history) * world_size / total_time,
-            step_time_p50_s=_percentile(times, 0.5), step_time_p90_s=_percentile(times, 0.9),
+            step_time_p50_s=percentile(times, 0.5), step_time_p90_s=percentile(times, 0.9),
+            step_time_p99_s=percentile(times, 0.99),
             data_wait_ratio=sum(m["data_time"] for m in history) / total_time,
             first_loss=history[0]["loss"] if history else None,
             final_loss=history[-1]["loss"] if history else None, **fields,
         )
 
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]

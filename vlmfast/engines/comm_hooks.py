@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from vlmfast.integrations import find_ddp
 from vlmfast.spec import DDPSpec
 
 HookName = Literal["none", "fp16", "bf16", "powersgd", "batched_powersgd"]
@@ -60,15 +61,17 @@ def register_comm_hook(
 ) -> object | None:
     """Install one of torch's comm hooks on a DDP model and return its state (``PowerSGDState`` for PowerSGD).
 
-    `process_group` is the group the hook all-reduces over (default: the DDP model's own). Call it once, after
-    wrapping in DDP and before the first backward; "none" keeps DDP's built-in fp32 all-reduce and returns None.
+    `ddp_model` may be the DDP module, an Accelerate-prepared model or a Lightning Fabric model (``fabric.setup``):
+    the DDP module inside is found. `process_group` is the group the hook all-reduces over (default: the DDP
+    model's own). Call it once, after wrapping in DDP and before the first backward; "none" keeps DDP's built-in
+    fp32 all-reduce and returns None.
 
     Usage: ``state = register_comm_hook(ddp, "powersgd", rank=2, start_iter=10, wrapper="fp16")``
     """
     _check_names(hook, wrapper)
     if hook == "none":
         return None
-    _require_ddp(ddp_model, hook)
+    ddp_model = _find_ddp(ddp_model, hook)
     group = process_group if process_group is not None else ddp_model.process_group
     _check_bf16_backend(ddp_model, group, hook, wrapper)
     if hook == "batched_powersgd" and not batched_powersgd_supported():
@@ -145,12 +148,16 @@ def _check_names(hook: str, wrapper: str) -> None:
         )
 
 
-def _require_ddp(model: object, hook: str) -> None:
-    if not isinstance(model, DistributedDataParallel):
+def _find_ddp(model: object, hook: str) -> DistributedDataParallel:
+    """The DDP module itself, or the one inside an Accelerate / Fabric / compiled model; refused otherwise."""
+    ddp = find_ddp(model) if isinstance(model, torch.nn.Module) else None
+    if ddp is None:
         raise TypeError(
             f"ddp.comm_hook={hook!r} needs a DistributedDataParallel model, got {type(model).__name__}: "
-            "wrap the model in DDP first (comm hooks only exist for DDP)"
+            "wrap the model in DDP first (comm hooks only exist for DDP; under Fabric use strategy='ddp', under "
+            "Accelerate launch several processes)"
         )
+    return ddp
 
 
 def _check_bf16_backend(ddp_model: DistributedDataParallel, group: Any, hook: str, wrapper: str) -> None:
@@ -269,7 +276,7 @@ def count_bytes(ddp_model: DistributedDataParallel, hook: HookName = "none", **o
 
     Usage: ``counter = count_bytes(ddp, "powersgd", rank=2, start_iter=2); ...; per_step = counter.take()``
     """
-    _require_ddp(ddp_model, hook)
+    ddp_model = _find_ddp(ddp_model, hook)
     counter = CommCounter(options.pop("process_group", None) or ddp_model.process_group)
     if hook == "none":
         _check_names(hook, options.get("wrapper", "none"))

@@ -85,6 +85,10 @@ def init_distributed(timeout_minutes: float = 10.0, backend: str | None = None) 
     """Initialise the default process group when the environment says we are one of several processes."""
     env = distributed_env()
     if env.world_size <= 1 or torch.distributed.is_initialized():
+        if env.world_size <= 1:  # a launcher asked for several processes but started one: say so (issue 20)
+            from vlmfast.integrations import warn_if_launched_alone
+
+            warn_if_launched_alone()
         _quiet_other_ranks(env)
         return env
     if torch.cuda.is_available():

@@ -142,6 +142,13 @@ class LeakDetector:
         """Step of the oldest reading in the current window (None during warm-up or right after a warning)."""
         return self._window[0].step if self._window else None
 
+    @property
+    def suspect(self) -> bool:
+        """Whether the readings so far in the window already grow faster than half the threshold (3 or more):
+        the moment a tensor census baseline is worth its cost (one pass over all Python objects)."""
+        points = list(self._window)
+        return len(points) >= 3 and _fit_line(points)[0] > self.threshold_mb_per_step * HALF_WINDOW_RATIO
+
     def reset(self) -> None:
         """Forget everything, warm-up included."""
         self._first_step = self._last_step = None

@@ -72,6 +72,7 @@ class MemoryMonitor(Callback):
         self.detector = (LeakDetector(self.spec.leak_warmup_steps, self.spec.leak_window_steps,
                                       self.spec.leak_threshold_mb_per_step) if self.spec.leak_check else None)
         self._census: tuple[int, Counter[TensorKind]] | None = None
+        self._last_step = 0
         self._recording = False
         self._write_files = True
 
@@ -121,6 +122,7 @@ class MemoryMonitor(Callback):
             return None
         self.detector.source = "allocated CUDA memory" if "mem/allocated_gb" in stats else "process RSS"
         leak = self.detector.update(step, used_gb * GB)
+        self._last_step = step
         if leak is None:
             self._maybe_take_census()
             return None
@@ -174,10 +176,11 @@ class MemoryMonitor(Callback):
             del self.timeline[1::2]  # halve the resolution, keep the shape of the curve
 
     def _maybe_take_census(self) -> None:
-        # The baseline is taken once, when the leak window starts, so a warning can name what grew since then.
-        start = self.detector.window_start if self.detector is not None else None
-        if self.census and self._census is None and start is not None:
-            self._census = (start, live_tensor_census())
+        # The baseline is taken once, when memory first looks like it grows (not at the window start: a pass over
+        # gc.get_objects() costs more than a short run's steps), so a warning can name what grew since then.
+        detector = self.detector
+        if self.census and self._census is None and detector is not None and detector.suspect:
+            self._census = (self._last_step, live_tensor_census())
 
     def _with_census(self, leak: LeakWarning) -> LeakWarning:
         if not self.census or self._census is None:

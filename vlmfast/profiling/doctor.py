@@ -66,12 +66,12 @@ class Evidence:
     def from_history(cls, history: Sequence[Mapping[str, Any]], spec: TrainSpec, **facts: Any) -> Evidence:
         """Evidence from a run's per-step metrics (rows with ``perf/step_time`` are the sampled steps)."""
         samples = [{k: float(v) for k, v in row.items() if k.startswith("perf/") and isinstance(v, (int, float))}
-                   for row in history if "perf/step_time" in row and not row.get("perf/traced")]
+                   for row in history if "perf/step_time" in row and not _excluded(row)]
         peaks = [row["mem/peak_gb"] for row in history if "mem/peak_gb" in row]
         facts.setdefault("peak_memory_gb", max(peaks) if peaks else None)
         mfus = [s["perf/mfu"] for s in samples if "perf/mfu" in s]
         facts.setdefault("mfu", sum(mfus) / len(mfus) if mfus else None)
-        timed = [row for row in history if "perf/step_time" in row and not row.get("perf/traced") and "tokens" in row]
+        timed = [row for row in history if "perf/step_time" in row and not _excluded(row) and "tokens" in row]
         seconds = sum(row["perf/step_time"] for row in timed)
         facts.setdefault("tokens_per_s", sum(row["tokens"] for row in timed) / seconds if seconds and timed else None)
         return cls(samples=samples, spec=spec, **facts)
@@ -475,3 +475,8 @@ def format_trials(trials: Sequence[FlagTrial]) -> str:
         else:
             lines.append(f"{trial.label:<44} {trial.step_ms:>11.1f} {rate:>9} {trial.speedup:>8.2f}x {peak:>9}")
     return "\n".join(lines)
+
+
+def _excluded(row: Mapping[str, Any]) -> bool:
+    """A timed step the profiler left out of its statistics (traced, or FLOPs counted)."""
+    return bool(row.get("perf/traced") or row.get("perf/excluded"))

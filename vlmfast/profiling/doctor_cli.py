@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
-from vlmfast.cli_jobs import DEFAULT_TASK, add_job_arguments, build_spec, load_task
+from vlmfast.cli_jobs import add_job_arguments, build_spec, load_task, run_task, task_job
 
 __all__ = ["add_doctor_command", "run_doctor"]
 
@@ -40,11 +40,10 @@ def add_doctor_command(subparsers: Any) -> argparse.ArgumentParser:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     spec = build_spec(args.config, args.set)  # fails here, before any model or data is built
-    task = load_task(args.task)
-    builtin = args.task == DEFAULT_TASK
+    load_task(args.task)  # a bad --task fails before any run
 
-    def build_job() -> tuple[Any, Any, Any]:
-        return task(seed=spec.seed, num_samples=args.samples) if builtin else task()
+    def build_job() -> Any:
+        return run_task(args.task, spec.seed, args.samples)
 
     report = run_doctor(spec, build_job, steps=args.steps, apply=args.apply, out_dir=args.out)
     if report is None:  # not rank 0
@@ -97,8 +96,7 @@ def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
 
 
 def _fit(spec: Any, build_job: Any) -> tuple[Any, Any]:
-    from vlmfast.train.loop import OptimizedTrainer
 
-    model, dataset, collate = build_job()  # a fresh model per run: every trial starts from the same weights
-    trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)
+    job = build_job()  # a fresh model per run: every trial starts from the same weights
+    trainer = (job if hasattr(job, "trainer") else task_job(job, "build_job()")).trainer(spec)
     return trainer, trainer.fit()

@@ -128,15 +128,22 @@ class FlopsMeter:
     """Model FLOPs per micro-batch, measured once per shape bucket (or by formula); see the module docstring."""
 
     def __init__(self, model: nn.Module, method: str = "measured") -> None:
-        if method not in ("measured", "analytic"):
-            raise ValueError(f"profile.flops must be 'measured' or 'analytic', got {method!r}")
+        if method not in ("auto", "measured", "analytic"):
+            raise ValueError(f"profile.flops must be 'auto', 'measured' or 'analytic', got {method!r}")
         self.model = model
-        self.method = method
+        self.method = method  # "auto" becomes one of the other two at the first micro-batch
         self.buckets: dict[tuple, MeasuredFlops] = {}
         self._roles = find_submodules(model)
+        self._towers: dict[int, tuple[int, bool]] = {}  # analytic: (matmul params, trainable) per tower, once
+
+    def will_measure(self, micro_batch: Any) -> bool:
+        """Whether :meth:`count` would run FlopCounterMode on this micro-batch (measured, new shape)."""
+        self._resolve(micro_batch)
+        return self.method == "measured" and shape_key(micro_batch) not in self.buckets
 
     def count(self, micro_batch: Any) -> contextlib.AbstractContextManager[None]:
         """Wrap the forward + backward of `micro_batch`: counted under FlopCounterMode if its shape is new."""
+        self._resolve(micro_batch)
         if self.method == "analytic":
             return contextlib.nullcontext()
         key = shape_key(micro_batch)  # every micro-batch: computed once
@@ -144,13 +151,30 @@ class FlopsMeter:
 
     def flops(self, micro_batch: Any) -> float:
         """Model FLOPs of one forward + backward of `micro_batch` (pass the host batch: the mask is read)."""
+        self._resolve(micro_batch)
         if self.method == "analytic":
-            return analytic_flops(self.model, micro_batch)
+            towers = describe_towers(self.model, micro_batch, tower_params=self._tower_params)
+            return sum(transformer_flops(tower) for tower in towers)
         measured = self.buckets.get(shape_key(micro_batch))
         if measured is None:
             return 0.0  # shape not measured yet (the caller skipped count()): no figure rather than a wrong one
         lm = measured.by_role.get("language_model", measured.total if not measured.by_role else 0.0)
         return measured.total - lm * (1.0 - real_token_fraction(micro_batch, measured.lm_tokens))
+
+    def _resolve(self, micro_batch: Any) -> None:
+        """`auto`: the formula when this model and batch allow it (free), else FlopCounterMode."""
+        if self.method != "auto":
+            return
+        try:
+            describe_towers(self.model, micro_batch, tower_params=self._tower_params)
+            self.method = "analytic"
+        except (ValueError, AttributeError, TypeError):
+            self.method = "measured"
+
+    def _tower_params(self, module: nn.Module) -> tuple[int, bool]:
+        if id(module) not in self._towers:  # walking every parameter costs more than a small model's step
+            self._towers[id(module)] = (matmul_params(module), any(p.requires_grad for p in module.parameters()))
+        return self._towers[id(module)]
 
     @contextlib.contextmanager
     def _measure(self, key: tuple) -> Iterator[None]:
@@ -214,8 +238,12 @@ def analytic_flops(model: nn.Module, micro_batch: Mapping[str, Any]) -> float:
     return sum(transformer_flops(tower) for tower in describe_towers(model, micro_batch))
 
 
-def describe_towers(model: nn.Module, batch: Mapping[str, Any]) -> list[TowerShape]:
-    """The vision tower, projector and language model as TowerShapes, from the model config and the batch."""
+def describe_towers(model: nn.Module, batch: Mapping[str, Any],
+                    tower_params: Callable[[nn.Module], tuple[int, bool]] | None = None) -> list[TowerShape]:
+    """The vision tower, projector and language model as TowerShapes, from the model config and the batch.
+
+    `tower_params(module) -> (matmul parameters, trainable)` may cache what is otherwise counted on every call."""
+    tower_params = tower_params or _tower_params
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"profile.flops: analytic needs a model with a .config ({type(model).__name__} has none); "
@@ -235,20 +263,22 @@ def describe_towers(model: nn.Module, batch: Mapping[str, Any]) -> list[TowerSha
         layers, heads, dim, patches = vision
         images = batch["pixel_values"].shape[0]
         image_tokens = patches * images if getattr(config, "num_image_tokens", None) else 0  # LLaVA-HF: in input_ids
-        towers.append(_tower(roles["vision"], layers, heads, dim // heads, patches, patches * images))
+        towers.append(_tower(tower_params(roles["vision"]), layers, heads, dim // heads, patches, patches * images))
         if "projector" in roles:
-            towers.append(_tower(roles["projector"], 0, 0, 0, 0, patches * images))
+            towers.append(_tower(tower_params(roles["projector"]), 0, 0, 0, 0, patches * images))
     layers, heads, dim, _ = text
     lm = roles.get("language_model", model)
     seq = text_len + image_tokens // max(samples, 1)
-    towers.append(_tower(lm, layers, heads, dim // heads, seq, real_text + image_tokens))
+    towers.append(_tower(tower_params(lm), layers, heads, dim // heads, seq, real_text + image_tokens))
     return towers
 
 
-def _tower(module: nn.Module, layers: int, heads: int, head_dim: int, seq_len: int, tokens: int) -> TowerShape:
-    params = matmul_params(module)
-    trainable = any(p.requires_grad for p in module.parameters())
-    return TowerShape(params, layers, heads, head_dim, seq_len, tokens, trainable)
+def _tower_params(module: nn.Module) -> tuple[int, bool]:
+    return matmul_params(module), any(p.requires_grad for p in module.parameters())
+
+
+def _tower(params: tuple[int, bool], layers: int, heads: int, head_dim: int, seq_len: int, tokens: int) -> TowerShape:
+    return TowerShape(params[0], layers, heads, head_dim, seq_len, tokens, params[1])
 
 
 def matmul_params(module: nn.Module) -> int:

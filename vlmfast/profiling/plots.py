@@ -30,7 +30,9 @@ def plot_step_breakdown(history: Iterable[Mapping[str, Any]], path: str | Path,
     """Write a PNG of stacked per-phase milliseconds against the step and return its path."""
     from matplotlib.figure import Figure  # no pyplot: no global backend switch, no figure registry
 
-    rows = [row for row in history if "perf/step_time" in row]
+    # Steps the profiler left out of its statistics (traced, FLOPs counted) ran slower: not drawn either.
+    rows = [row for row in history if "perf/step_time" in row and not (row.get("perf/traced")
+                                                                       or row.get("perf/excluded"))]
     if not rows:
         raise ValueError("plot_step_breakdown: no timed steps in the history (profile.timing off, or fewer steps "
                          "than profile.every_steps)")
@@ -45,8 +47,10 @@ def plot_step_breakdown(history: Iterable[Mapping[str, Any]], path: str | Path,
             ax.bar(steps, values, width=width, bottom=bottom, color=colour, label=phase)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set(title=title, xlabel="optimizer step", ylabel="time (ms)")
+    ax.set_xlim(steps[0] - width, steps[-1] + width)  # the axis ends at the last timed step
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(loc="upper right", fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, never on one
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")

@@ -38,7 +38,9 @@ from vlmfast.profiling.phase_timer import PhaseTimer
 from vlmfast.profiling.torch_profiler import StepProfiler
 from vlmfast.spec import ProfileSpec
 
-__all__ = ["RunProfiler", "report_lines"]
+__all__ = ["EXCLUDED", "RunProfiler", "report_lines"]
+
+EXCLUDED = "perf/excluded"  # a timed step left out of the statistics (traced, or FLOPs counted): its times are off
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class RunProfiler:
         self.trace = StepProfiler(spec.trace, self.device, log_dir)
         self.enabled = spec.timing
         self._traced = False
+        self._counted = False  # this step ran (part of) its forward/backward under FlopCounterMode
         self.summary: dict[str, Any] = {}
 
     def begin_step(self, step: int) -> None:
@@ -74,8 +77,13 @@ class RunProfiler:
         return self.timer.phase(name) if self.enabled else contextlib.nullcontext()
 
     def count_flops(self, host_micro_batch: Any) -> contextlib.AbstractContextManager[Any]:
-        """Wrap one micro-batch's forward + backward: counted by FlopCounterMode the first time its shape is seen."""
-        return self.flops.count(host_micro_batch) if self.flops is not None else contextlib.nullcontext()
+        """Wrap one micro-batch's forward + backward. Only timed steps need FLOPs: with `profile.flops: measured` a
+        timed step's new batch shape runs under FlopCounterMode (several times slower), and that step is left out
+        of the timings; the formula (`analytic`, what `auto` picks where it can) costs nothing."""
+        if self.flops is None or not self.timer.sampling:
+            return contextlib.nullcontext()
+        self._counted = self._counted or self.flops.will_measure(host_micro_batch)
+        return self.flops.count(host_micro_batch)
 
     def add_flops(self, host_micro_batch: Any) -> None:
         """After the micro-batch's backward: add its model FLOPs to this step (only read on timed steps)."""
@@ -88,9 +96,11 @@ class RunProfiler:
         if not self.enabled:
             return {}
         metrics = self.timer.end_step()
-        if self._traced:
+        if self._traced or self._counted:  # slowed by torch.profiler / FlopCounterMode: out of the statistics
             self.timer.discard_last()
-            metrics = {"perf/traced": 1.0, **metrics} if metrics else {}
+            flag = "perf/traced" if self._traced else "perf/flops_counted"
+            metrics = {flag: 1.0, EXCLUDED: 1.0, **metrics} if metrics else {}
+        self._counted = False
         return metrics
 
     def finish(self, history: Sequence[Mapping[str, Any]] = ()) -> dict[str, str]:
@@ -124,18 +134,19 @@ class RunProfiler:
 
 def report_lines(summary: Mapping[str, Any]) -> dict[str, str]:
     """The profile summary as a few readable report lines (RunReport.extra)."""
+    # No step-time percentiles here: the report prints one step time, over every step (reporting.py); the
+    # profiler's own (timed steps only, perf/step_time_p* in profile_summary.json) would be a second figure.
     lines: dict[str, str] = {}
-    if "perf/step_time_p50" in summary:
-        lines["step time p50/p90/p99"] = " / ".join(f"{1e3 * summary[f'perf/step_time_p{q}']:.1f}"
-                                                   for q in (50, 90, 99)) + " ms"
     phases = [(name, summary.get(f"perf/{name}_share", 0.0)) for name in
               ("data_wait", "h2d", "forward", "backward", "optimizer", "comm", "other")]
     if any(share for _, share in phases):
         parts = [f"{name} {share:.0%}" for name, share in phases if share >= 0.005]
         towers = [f"{name} {summary[f'perf/{name}_forward_share']:.0%}" for name in
                   ("vision", "projector", "language_model") if f"perf/{name}_forward_share" in summary]
-        lines["time split"] = ", ".join(parts) + (f" (forward: {', '.join(towers)})" if towers else "")
-    if "perf/tflops" in summary:
+        timed = int(summary.get("perf/sampled_steps", 0))
+        lines["time split"] = f"{timed} timed step{'s' * (timed != 1)}: " + ", ".join(parts) + (
+            f" (forward: {', '.join(towers)})" if towers else "")
+    if "perf/tflops" in summary:  # model FLOPs of the timed steps over their time
         mfu = summary.get("perf/mfu")
         peak = summary.get("perf/peak_tflops")
         lines["compute"] = f"{summary['perf/tflops']:.3g} TFLOP/s" + (

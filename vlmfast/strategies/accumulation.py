@@ -16,8 +16,9 @@ Usage in a hand-written loop::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+import logging
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +26,19 @@ import torch
 from torch import nn
 
 from vlmfast.data.batch import batch_size_of, move_to_device, split_batch
-from vlmfast.engines.collectives import all_reduce_sum, sum_and_max, world_size
+from vlmfast.engines.collectives import all_reduce_sum, sum_and_max, sum_loss_and_flags, world_size
+from vlmfast.integrations import (
+    after_agreement,
+    check_loop,
+    loop_backward,
+    loop_forward_context,
+    loop_of,
+    no_sync,
+)
 from vlmfast.strategies.base import Step, Strategy
 from vlmfast.utils import unwrap_model
 
+log = logging.getLogger(__name__)
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
 
@@ -155,6 +165,7 @@ class GradientAccumulation(Strategy):
         self.loss_fn = loss_fn
         self.passes_num_items = False
         self.last_split = (0, 0, 0)  # (micro-batches, size, last one's size) of the last plan: for the report
+        self.batchnorm: list[str] = []  # BatchNorm layers in training mode change with the split: warned once
         self.resolved_weighting = weighting
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -163,6 +174,7 @@ class GradientAccumulation(Strategy):
         elif isinstance(self.shift_labels, str):
             self.shift_labels = self.shift_labels == "yes"
         self.passes_num_items = self.loss_fn is None and model_accepts_num_items(model)
+        self.batchnorm = batchnorm_layers(model)
         return model
 
     def plan(self, batch: Any, micro_batch_size: int | Any) -> AccumulationPlan:
@@ -182,6 +194,8 @@ class GradientAccumulation(Strategy):
         micro_batches += [micro_batches[-1]] * padding
         items += [0] * padding
         self.last_split = (count, micro_batch_size, batch_size_of(micro_batches[-1 - padding]))
+        if count > 1 and self.batchnorm:
+            warn_batchnorm_once(self.batchnorm, micro_batch_size)
         # With a loss_fn that reports its own counts, those are the truth: correct after backward if they differ.
         exact = known and self.loss_fn is None
         return AccumulationPlan(micro_batches, weighting, items, max(divisor, 1.0), exact, padding)
@@ -249,6 +263,29 @@ class GradientAccumulation(Strategy):
         return f"accumulation: {split} per optimizer step, {how}{extra}"
 
 
+def batchnorm_layers(model: nn.Module) -> list[str]:
+    """Names of the BatchNorm layers of `model` (their statistics depend on how the batch is split)."""
+    return [name or type(model).__name__ for name, module in unwrap_model(model).named_modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training]
+
+
+_BATCHNORM_WARNED: list[bool] = []
+
+
+def warn_batchnorm_once(layers: list[str], micro_batch_size: int) -> None:
+    """One warning per process: micro-batching is exact for every layer but BatchNorm (docs/accumulation.md)."""
+    if _BATCHNORM_WARNED:
+        return
+    _BATCHNORM_WARNED.append(True)
+    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    log.warning(
+        "the model has BatchNorm layers in training mode (%s): split into micro-batches of %d, each normalises with "
+        "its own micro-batch statistics and updates the running averages once per micro-batch, so the gradient and "
+        "the statistics differ from the full batch's (every other layer is exact). Use micro_batch_size = "
+        "batch_size, GroupNorm/LayerNorm, or BatchNorm in eval mode; see docs/accumulation.md", shown,
+        micro_batch_size)
+
+
 def _mean_to_share(mean_loss: torch.Tensor, plan: AccumulationPlan, index: int) -> torch.Tensor:
     n_items = plan.items[index]
     if n_items is None:
@@ -256,23 +293,14 @@ def _mean_to_share(mean_loss: torch.Tensor, plan: AccumulationPlan, index: int) 
     return mean_loss * (n_items / plan.divisor)
 
 
-def sync_context(model: nn.Module, is_last: bool) -> AbstractContextManager[Any]:
-    """Skip the gradient reduction on every micro-batch but the last (DDP's `no_sync`, FSDP2's
-    `set_requires_gradient_sync(False)`)."""
-    if is_last:
-        return nullcontext()
-    if hasattr(model, "set_requires_gradient_sync"):
-        return _fsdp_no_sync(model)
-    return model.no_sync() if hasattr(model, "no_sync") else nullcontext()
+def sync_context(model: nn.Module, is_last: bool, loop: Any = None) -> AbstractContextManager[Any]:
+    """Skip the gradient reduction on every micro-batch but the last: the loop's own no-sync when `loop` (an
+    Accelerator or a Fabric) is given, else DDP's `no_sync` / FSDP2's `set_requires_gradient_sync(False)` on the
+    module found inside the model (through Fabric's and torch.compile's wrappers).
 
-
-@contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+    Usage: ``with sync_context(model, index == last, loop=fabric): fabric.backward(loss)``
+    """
+    return no_sync(model, loop, enabled=not is_last)
 
 
 def accumulate_gradients(
@@ -283,13 +311,23 @@ def accumulate_gradients(
     loss_fn: LossFn | None = None,
     weighting: str = "auto",
     device: torch.device | None = None,
-    forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    loop: Any = None,
 ) -> torch.Tensor:
     """Run forward/backward over `batch` in micro-batches, leaving the full-batch gradient in `.grad`.
 
-    Returns the batch loss (detached). Usage: ``loss = accumulate_gradients(model, batch, 2); optimizer.step()``.
+    `batch` is this rank's part of the optimizer batch. Returns the loss of the whole optimizer batch, across ranks
+    (detached; the same value on every rank). `loop` is the Accelerator or Fabric running the loop: its autocast,
+    backward and no-sync are used (given `backward=accelerator.backward`, the loop is found from it).
+    Under DDP only the last micro-batch's backward all-reduces. Usage::
+
+        loss = accumulate_gradients(model, batch, 2, loop=accelerator); optimizer.step()
     """
+    loop = loop if loop is not None else loop_of(backward)
+    check_loop(loop)
+    forward_context = forward_context or loop_forward_context(loop) or nullcontext
+    backward = backward or loop_backward(loop) or torch.Tensor.backward
     ranks = world_size()
     accumulation = GradientAccumulation(weighting=weighting, loss_fn=loss_fn)
     accumulation.apply(model)
@@ -298,12 +336,24 @@ def accumulate_gradients(
     for index, micro_batch in enumerate(plan.micro_batches):
         if device is not None:
             micro_batch = move_to_device(micro_batch, device)
-        with sync_context(model, index == plan.last), forward_context():
-            share = accumulation.micro_batch_loss(model, micro_batch, plan, index)
-        backward(share * ranks if ranks > 1 else share)  # DDP averages over ranks; shares are global fractions
+        # Forward and backward inside the no-sync context (DDP decides at forward whether backward reduces);
+        # autocast around forward only.
+        with sync_context(model, index == plan.last, loop):
+            with forward_context():
+                share = accumulation.micro_batch_loss(model, micro_batch, plan, index)
+            backward(share * ranks if ranks > 1 else share)  # DDP averages over ranks; shares are global fractions
         total = total.to(share.device) + share.detach().float()
+    after_agreement(lambda: _finish(model, accumulation, plan, total))
+    return total
+
+
+def _finish(model: nn.Module, accumulation: GradientAccumulation, plan: AccumulationPlan, total: torch.Tensor) -> None:
+    """The step's cross-rank work: the loss-count correction (loss_fn counts) and the global loss, in place."""
     factor = accumulation.correction(plan)
     if factor != 1.0:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, factor)
-    return total * factor
+    if world_size() > 1:
+        total.copy_(sum_loss_and_flags(total, wants_stop=False)[0])
+    if factor != 1.0:
+        total.mul_(factor)

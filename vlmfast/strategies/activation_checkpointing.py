@@ -390,13 +390,23 @@ def _enable_hf_checkpointing(model: nn.Module, offload_to_cpu: bool) -> list[str
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = func
-    return [name for name, module in _auto_blocks_flat(model) if getattr(module, "gradient_checkpointing", False)]
+    return _hf_checkpointed_blocks(model)
 
 
-def _auto_blocks_flat(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    for members in _auto_blocks(model).values():
-        for _, name, module in members:
-            yield name, module
+def _hf_checkpointed_blocks(model: nn.Module) -> list[str]:
+    """The layers Hugging Face's switch checkpoints: flagged layers in a ModuleList (decoder layers), or every layer
+    of a flagged container's ModuleList (encoders that loop over their layers themselves). Read from the flags, not
+    from one-class block detection: Mllama's text layers mix self- and cross-attention classes."""
+    flagged = {name for name, module in model.named_modules() if getattr(module, "gradient_checkpointing", False)}
+    names: list[str] = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if not isinstance(child, nn.ModuleList):
+                continue
+            members = [f"{name}.{child_name}.{i}".lstrip(".") for i in range(len(child))]
+            marked = [member for member in members if member in flagged]
+            names += marked if marked else members if name in flagged else []
+    return names
 
 
 def detach_frozen_modules(model: nn.Module) -> list[str]:

@@ -5,13 +5,18 @@ gradient. Because accumulation weights each micro-batch by its share of the batc
 the retried batch is the same as it would have been at the original size. Ranks agree through an all-reduce of
 the OOM flag, so a rank that did not hit the OOM retries too and nobody hangs.
 
-Usage in a hand-written loop::
+Usage in a hand-written, Accelerate or Fabric loop::
 
-    fallback = OOMFallback(OOMSpec(enabled=True), micro_batch_size=16)
+    fallback = OOMFallback(OOMSpec(enabled=True), micro_batch_size=16, model=model)  # model: DDP / prepared / set up
     for batch in loader:
         loss = fallback.run(lambda mbs: accumulate_gradients(model, batch, mbs),
                             cleanup=lambda: optimizer.zero_grad(set_to_none=True))
         optimizer.step(); optimizer.zero_grad(set_to_none=True)
+
+Under DDP, give it the model (and the Accelerator or Fabric as `loop`): the attempt then runs with the gradient
+all-reduce held back (the loop's no-sync), and the fallback averages the gradients itself once every rank reports
+success. Without that, a rank that runs out of memory leaves its peers waiting inside DDP's backward all-reduce.
+DDP's comm hooks do not run on those steps (the gradients are averaged in fp32, in buckets).
 
 In the trainer it is the micro-batch sizer: the loop calls ``sizer.run(lambda size: train_step(batch, size), ...)``
 and this object holds the only mutable micro-batch size (:class:`FixedMicroBatchSize` when the fallback is off).
@@ -26,8 +31,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
-from vlmfast.engines.collectives import agree_max
+from vlmfast.engines.collectives import agree_max, all_reduce_gradients, world_size
+from vlmfast.integrations import deferring, find_sync_module, no_sync
 from vlmfast.spec import OOMSpec
 from vlmfast.strategies.base import Strategy
 
@@ -101,8 +108,10 @@ class OOMFallback(Strategy):
     name = "oom"
 
     def __init__(self, spec: OOMSpec, micro_batch_size: int, describe_memory: Callable[[], str] | None = None,
-                 on_oom: Callable[[], None] | None = None) -> None:
+                 on_oom: Callable[[], None] | None = None, *, model: nn.Module | None = None,
+                 loop: Any = None) -> None:
         self.spec = spec
+        self.model, self.loop = model, loop  # set: the fallback holds the gradient sync (user loops under DDP)
         self.configured = micro_batch_size
         self.micro_batch_size = micro_batch_size
         self.clean_steps = 0
@@ -114,17 +123,23 @@ class OOMFallback(Strategy):
             set_expandable_segments()
 
     def run(self, attempt: Callable[[int], T], cleanup: Callable[[], None]) -> T:
-        """Call `attempt(micro_batch_size)` until it finishes without OOM on every rank; return its result."""
+        """Call `attempt(micro_batch_size)` until it finishes without OOM on every rank; return its result.
+
+        Cross-rank sums the attempt registers through :func:`vlmfast.integrations.after_agreement` (the global loss
+        of ``accumulate_gradients``) run after the agreement, so a rank that ran out of memory never meets a peer
+        in a different collective."""
         self._maybe_grow()
         while True:
             status, error = OK, None
-            try:
-                result = attempt(self.micro_batch_size)
-            except Exception as exc:
-                if is_oom_error(exc):
-                    status = OOM  # the exception (and the tensors its traceback pins) dies with this block
-                else:
-                    status, error = FAILED, exc
+            with deferring() as pending:
+                try:
+                    with self._held_sync():
+                        result = attempt(self.micro_batch_size)
+                except Exception as exc:
+                    if is_oom_error(exc):
+                        status = OOM  # the exception (and the tensors its traceback pins) dies with this block
+                    else:
+                        status, error = FAILED, exc
             worst = agree_max(status)  # every rank joins, even one about to raise, so no peer waits for it
             if error is not None:
                 raise error
@@ -132,10 +147,24 @@ class OOMFallback(Strategy):
                 raise RuntimeError("another rank failed during forward/backward (its traceback shows why); "
                                    "stopping this rank too")
             if worst == OK:
+                self._average_held_gradients()
+                for work in pending:
+                    work()
                 self.clean_steps += 1
                 return result
             result = None  # a rank that did not OOM drops its gradients too: everybody retries the batch
             self._recover(cleanup, status == OOM)
+
+    def _holds_sync(self) -> bool:
+        return self.model is not None and world_size() > 1 and find_sync_module(self.model) is not None
+
+    def _held_sync(self) -> Any:
+        """The loop's no-sync around the whole attempt (nested no-syncs inside it keep it held)."""
+        return no_sync(self.model, self.loop, enabled=self._holds_sync())
+
+    def _average_held_gradients(self) -> None:
+        if self._holds_sync():
+            all_reduce_gradients(self.model.parameters())
 
     def _recover(self, cleanup: Callable[[], None], oom_here: bool) -> None:
         cleanup()

@@ -142,7 +142,8 @@ class OptimizedTrainer:
         reset_peak_memory(self.device)
         history: list[dict[str, Any]] = []
         result = FitResult(history=history, report=None, resumed_from=resumed_from)  # type: ignore[arg-type]
-        metrics_logger = MetricsLogger(self.spec.log, self.spec.max_steps, self.state.step, self.is_main_process)
+        metrics_logger = MetricsLogger(self.spec.log, self.spec.max_steps, self.state.step, self.is_main_process,
+                                       config=self.spec.to_dict())  # W&B / MLflow record the spec as the run's config
         self._fire("on_fit_start")
         start, first_step, first_loss = time.perf_counter(), self.state.step, None
         rank_failure = explain_rank_failure(self.world_size, self.spec.ddp.timeout_minutes)  # no silent hang
@@ -152,9 +153,10 @@ class OptimizedTrainer:
             tick = time.perf_counter()
             while self.state.step < self.spec.max_steps and not self._should_stop(guard):
                 self.timer.begin_step(self.state.step + 1)
+                waited = time.perf_counter()
                 with self.timer.phase("data_wait"):
                     batch = next(self.loader)
-                data_time = time.perf_counter() - tick
+                data_time = time.perf_counter() - waited  # blocked on the loader only, not the loop's bookkeeping
                 metrics = self._train_batch(batch)
                 metrics.update(self.timer.end_step())
                 now = time.perf_counter()
