@@ -19,7 +19,8 @@ from vlmfast.hooks import (
 from vlmfast.models.long_tail import collate_per_row_images, long_tailed_samples
 from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig
 from vlmfast.spec import OOMSpec
-from vlmfast.strategies.token_budget import TokenBudgetSizer, build_sizer, image_token_cost, sample_costs
+from vlmfast.strategies.registry import build_micro_batching as build_sizer
+from vlmfast.strategies.token_budget import TokenBudgetSizer, image_token_cost, sample_costs
 from vlmfast.testing import simulated_oom
 
 
@@ -128,8 +129,6 @@ def test_through_the_trainer_same_update_and_reported() -> None:
     assert any("micro-batches by tokens: 48 tokens" in line for line in result.report.strategies)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the loop to build its sizer with build_sizer(spec, model, ...): "
-                                       "issue 21 report; remove this mark once ported")
 def test_the_loop_builds_the_token_sizer() -> None:
     trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(8, 24), _spec(micro_batch_tokens=48))
     assert isinstance(trainer.micro_batching, TokenBudgetSizer)

@@ -24,7 +24,6 @@ and this object holds the only mutable micro-batch size (:class:`FixedMicroBatch
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from collections.abc import Callable
@@ -35,41 +34,15 @@ from torch import nn
 
 from vlmfast.engines.collectives import agree_max, all_reduce_gradients, world_size
 from vlmfast.integrations import deferring, find_sync_module, no_sync
+from vlmfast.memory.oom_errors import FAILED, OK, OOM, OutOfMemoryAtMinimumError, free_memory, is_oom_error
 from vlmfast.spec import OOMSpec
 from vlmfast.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Messages of allocation failures that do not always arrive as torch.OutOfMemoryError.
-OOM_MESSAGES = (
-    "CUDA out of memory",
-    "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_ALLOC_FAILED",
-    "HIP out of memory",
-    "MPS backend out of memory",
-    "XPU out of memory",
-    "DefaultCPUAllocator: can't allocate memory",
-    "DefaultCPUAllocator: not enough memory",
-)
-
-
-class OutOfMemoryAtMinimumError(RuntimeError):
-    """Out of memory even at `oom.min_micro_batch_size`: the message carries the memory summary and advice."""
-
-
-def is_oom_error(exc: BaseException) -> bool:
-    """True for torch.OutOfMemoryError, and for RuntimeErrors whose message is a known allocation failure."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in OOM_MESSAGES)
-
-
-def free_memory() -> None:
-    """Release what an aborted step left: Python cycles first, then the CUDA cache."""
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+__all__ = ["FixedMicroBatchSize", "OOMFallback", "OutOfMemoryAtMinimumError", "build_micro_batching", "free_memory",
+           "is_oom_error", "set_expandable_segments"]
 
 
 def set_expandable_segments() -> bool:
@@ -84,7 +57,6 @@ def set_expandable_segments() -> bool:
     return True
 
 
-OK, OOM, FAILED = 0, 1, 2  # what a rank reports after an attempt; the worst one wins
 
 
 class FixedMicroBatchSize(Strategy):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from vlmfast.strategies import oom
 from vlmfast.strategies.activation_checkpointing import ActivationCheckpointing
 from vlmfast.strategies.attention import AttentionBackend
 from vlmfast.strategies.base import Strategy
@@ -24,6 +25,7 @@ from vlmfast.strategies.compile import TorchCompile
 from vlmfast.strategies.ema import EMA
 from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropy
 from vlmfast.strategies.nonfinite import NonFiniteGuard
+from vlmfast.strategies.token_budget import TokenBudgetSizer, image_token_cost
 from vlmfast.strategies.vision_cache import VisionCache
 
 
@@ -100,3 +102,20 @@ OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
 def build_strategies(spec: Any, ctx: BuildContext) -> list[Strategy]:
     """The optional strategies `spec` turns on, in the order of :data:`OPTIONAL_STRATEGIES`."""
     return [s for build in OPTIONAL_STRATEGIES if (s := build(spec, ctx)) is not None]
+
+
+def build_micro_batching(spec: Any, model: Any = None, *, describe_memory: Callable[[], str] | None = None,
+                         on_oom: Callable[[], None] | None = None) -> Strategy:
+    """The loop's micro-batch sizer for a whole spec: by tokens when ``micro_batch_tokens`` is set, else the
+    micro-batch-size sizer of ``vlmfast.strategies.oom``.
+
+    Usage (the loop): ``self.micro_batching = build_micro_batching(spec, model, describe_memory=..., on_oom=...)``
+
+    Images are charged :func:`image_token_cost` tokens each, on top of the placeholders ``input_ids`` holds.
+    """
+    if spec.micro_batch_tokens is None:
+        return oom.build_micro_batching(spec.oom, spec.resolved_micro_batch_size, describe_memory=describe_memory,
+                                        on_oom=on_oom)
+    image_tokens = image_token_cost(model, in_input_ids=spec.packing.enabled) if model is not None else 0
+    return TokenBudgetSizer(spec.micro_batch_tokens, max_rows=spec.micro_batch_size, image_tokens=image_tokens,
+                            oom=spec.oom, describe_memory=describe_memory, on_oom=on_oom)

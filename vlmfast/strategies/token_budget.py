@@ -37,13 +37,13 @@ import torch
 from torch import Tensor
 
 from vlmfast.engines.collectives import agree_max
+from vlmfast.memory.oom_errors import FAILED, OK, OOM, OutOfMemoryAtMinimumError, free_memory, is_oom_error
 from vlmfast.strategies.base import Step, Strategy
 from vlmfast.utils import unwrap_model
 
 __all__ = [
     "TokenBudget",
     "TokenBudgetSizer",
-    "build_sizer",
     "image_token_cost",
     "plan_token_micro_batches",
     "sample_costs",
@@ -242,7 +242,7 @@ class TokenBudgetSizer(Strategy):
     Usage: ``sizer = TokenBudgetSizer(4096); loss, plan = sizer.run(lambda size: train_step(batch, size), cleanup)``
 
     It replaces the micro-batch-size sizer (``FixedMicroBatchSize`` / ``OOMFallback``) when ``micro_batch_tokens``
-    is set: the loop builds it with :func:`build_sizer`.
+    is set: the loop builds it with :func:`vlmfast.strategies.registry.build_micro_batching`.
     """
 
     name = "micro_batch_tokens"
@@ -268,7 +268,6 @@ class TokenBudgetSizer(Strategy):
         """``attempt(budget)`` until it finishes without OOM on every rank (or at once, without the fallback)."""
         if self.oom is None:
             return attempt(self.budget)
-        from vlmfast.strategies.oom import FAILED, OK, OOM, free_memory, is_oom_error  # shared OOM plumbing
 
         self._maybe_grow()
         while True:
@@ -294,8 +293,6 @@ class TokenBudgetSizer(Strategy):
             self._shrink(status == OOM)
 
     def _shrink(self, oom_here: bool) -> None:
-        from vlmfast.strategies.oom import OutOfMemoryAtMinimumError
-
         if self.budget.at_minimum or self.budget.tokens <= 1:
             raise OutOfMemoryAtMinimumError(
                 f"out of memory with micro_batch_tokens {self.budget.tokens}: every micro-batch already holds one "
@@ -359,22 +356,3 @@ def image_token_cost(model: Any, *, in_input_ids: bool = True) -> int:
         patches = (size // patch) ** 2
     prepended = 0 if in_input_ids else int(getattr(model, "prepended_image_tokens", 0) or 0)
     return int(patches or 0) + prepended
-
-
-def build_sizer(spec: Any, model: Any = None, *, describe_memory: Callable[[], str] | None = None,
-                on_oom: Callable[[], None] | None = None) -> Strategy:
-    """The loop's micro-batch sizer for a whole spec: by tokens when ``micro_batch_tokens`` is set, else the
-    micro-batch-size sizer of ``vlmfast.strategies.oom``.
-
-    Usage (the loop): ``self.micro_batching = build_sizer(spec, model, describe_memory=..., on_oom=...)``
-
-    Images are charged :func:`image_token_cost` tokens each, on top of the placeholders ``input_ids`` holds.
-    """
-    if spec.micro_batch_tokens is None:
-        from vlmfast.strategies.oom import build_micro_batching
-
-        return build_micro_batching(spec.oom, spec.resolved_micro_batch_size, describe_memory=describe_memory,
-                                    on_oom=on_oom)
-    image_tokens = image_token_cost(model, in_input_ids=spec.packing.enabled) if model is not None else 0
-    return TokenBudgetSizer(spec.micro_batch_tokens, max_rows=spec.micro_batch_size, image_tokens=image_tokens,
-                            oom=spec.oom, describe_memory=describe_memory, on_oom=on_oom)

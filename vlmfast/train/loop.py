@@ -41,9 +41,8 @@ from vlmfast.reporting import MetricsLogger, RunReport
 from vlmfast.spec import TrainSpec, check_environment
 from vlmfast.strategies.accumulation import AccumulationPlan, GradientAccumulation, LossFn
 from vlmfast.strategies.base import Step, Strategy, overrides
-from vlmfast.strategies.oom import build_micro_batching
 from vlmfast.strategies.optimizer import Optimization
-from vlmfast.strategies.registry import BuildContext, build_strategies
+from vlmfast.strategies.registry import BuildContext, build_micro_batching, build_strategies
 from vlmfast.train.batch_size import BatchSizeSearch, search_micro_batch_size
 from vlmfast.train.evaluation import evaluate_loss
 from vlmfast.train.interrupt import InterruptGuard
@@ -90,8 +89,7 @@ class OptimizedTrainer:
         self.optimization = Optimization(spec.optimizer, spec.scheduler, spec.max_steps, self.device)
         self.memory_monitor = self._build_memory_monitor()
         dump = self.memory_monitor.dump_snapshot if self.memory_monitor and spec.memory.record_history else None
-        self.micro_batching = build_micro_batching(spec.oom, spec.resolved_micro_batch_size,
-                                                   describe_memory=self._describe_memory, on_oom=dump)
+        self.micro_batching = build_micro_batching(spec, model, describe_memory=self._describe_memory, on_oom=dump)
         self.strategies: list[Strategy] = [
             self.engine.precision, self.accumulation, self.optimization,
             *build_strategies(spec, BuildContext(self.device, self.world_size)), self.micro_batching]
