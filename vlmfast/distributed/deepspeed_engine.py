@@ -175,8 +175,12 @@ class DeepSpeedBackend(TorchBackend):
         self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
 
     def load_shards(self, directory: Path) -> None:
-        """Restore model, optimizer and precision state from a checkpoint written by :meth:`save`."""
-        path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_lr_scheduler_states=False)
+        """Restore model, optimizer and precision state from a checkpoint written by :meth:`save` (every shard is
+        unpickled weights-only: vlmfast.distributed.deepspeed_safe_load)."""
+        from vlmfast.distributed.deepspeed_safe_load import weights_only_loading
+
+        with weights_only_loading(self.engine):
+            path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"{directory}/{CHECKPOINT_TAG}: no DeepSpeed checkpoint there (was this run "
                                     "trained with deepspeed.enabled and the same zero_stage?)")
