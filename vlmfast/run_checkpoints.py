@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, resume_path, save_checkpoint, staging_dir
+from vlmfast.save_dir import prepare_save_dir
 from vlmfast.spec import SpecError
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ def save_if_configured(trainer: OptimizedTrainer, final: bool = False) -> Path |
 def resume_trainer(trainer: OptimizedTrainer) -> Path | None:
     """Restore the checkpoint `save.resume` names (rank 0 decides for all); returns its path, or None."""
     spec = trainer.spec.save
+    prepare_save_dir(trainer)  # one writer per save.dir (a lock, rank 0), room for a checkpoint: before any step
     path = resume_path(spec.resume, spec.dir) if trainer.is_main_process else None
     if trainer.world_size > 1:
         shared = [path]
