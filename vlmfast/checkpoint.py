@@ -101,10 +101,22 @@ def commit_checkpoint(directory: Path, step: int, tmp: Path, files: list[tuple[s
         _remember_verified(final)  # hashed from these very files: a resume in this process need not read them again
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise _write_error(directory, step, exc, needed) from exc
+        cause = _os_error_in(exc)
+        if cause is not None:
+            raise _write_error(directory, step, cause, needed) from exc
         raise
     return final
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc` (torch.save reports a failed write as a RuntimeError of its zip writer, with the
+    OSError as its context)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def _publish(directory: Path, tmp: Path, final: Path) -> None:

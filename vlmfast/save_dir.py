@@ -24,6 +24,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import threading
@@ -205,27 +206,27 @@ def _pid_alive(pid: int) -> bool:
 
 
 # ---- leftovers of other writers ---------------------------------------------------------------------------------
+_LEFTOVER_NAME = re.compile(r"^\.(?:tmp|old)-step_\d{8}-(\d+)(?:-(.+))?$")
+
+
 def owner_of_leftover(name: str) -> tuple[int | None, str | None]:
     """(pid, host) from a temporary folder's name: ``.tmp-step_00000004-<pid>-<host>`` (host absent in older names)."""
-    parts = name.split("-", 3)  # ['', 'tmp', 'step_00000004', '<pid>[-<host>]']
-    if len(parts) < 4:
-        return None, None
-    pid, _, host = parts[3].partition("-")
-    return (int(pid) if pid.isdigit() else None), (host or None)
+    match = _LEFTOVER_NAME.match(name)
+    return (int(match.group(1)), match.group(2)) if match else (None, None)
 
 
 def leftover_is_abandoned(directory: Path, name: str) -> bool:
     """Whether a temporary folder belongs to no running writer, so it may be removed.
 
-    Ours: never (a save in progress). While this process holds the folder's lock no other vlmfast run writes here,
-    so any other writer's folder is abandoned. Otherwise only a dead process's on this host.
+    On this host (older names carry no host): when its process is gone, never ours or a live one's. From another
+    host: when this process holds the folder's lock, as every writer holds it while it writes.
     """
     pid, host = owner_of_leftover(name)
-    if pid == os.getpid() and host in (None, HOST):
+    if pid is None:
         return False
-    if SaveDirLock.held_by_this_process(directory):
-        return True
-    return host in (None, HOST) and pid is not None and not _pid_alive(pid)
+    if host in (None, HOST):
+        return pid != os.getpid() and not _pid_alive(pid)
+    return SaveDirLock.held_by_this_process(directory)
 
 
 def temp_name(prefix: str, name: str) -> str:

@@ -638,11 +638,14 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def check_environment(spec: TrainSpec) -> None:
-    """Fail before any work when the machine cannot run the spec (fp16 or a CUDA device without CUDA)."""
+    """Fail before any work when the machine cannot run the spec (fp16 or a CUDA device without CUDA, a save.dir or
+    log.dir that cannot be written)."""
     import torch
 
+    from vlmfast.save_dir import check_output_dirs
     from vlmfast.utils import resolve_device
 
+    check_output_dirs(spec)
     device = resolve_device(spec.device)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecError(f"device '{spec.device}': CUDA is not available on this machine; use device: auto or cpu")
