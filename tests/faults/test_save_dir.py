@@ -8,19 +8,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from _faults import losses, make_spec, train
+from _faults import losses, make_spec, tiny_filesystem, train
 
 from vlmfast import SpecError
 from vlmfast.checkpoint import CheckpointWriteError, list_checkpoints, save_checkpoint, verify_checkpoint
@@ -117,22 +115,6 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_and_names_save
     _, full = train(make_spec(max_steps=6))
     _, resumed = train(spec)
     assert resumed.resumed_from.name == "step_00000002" and losses(resumed) == losses(full)[2:]
-
-
-@contextlib.contextmanager
-def tiny_filesystem(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` mounted at `path` (needs root and mount rights: skipped elsewhere; the ENOSPC test above
-    injects the same error everywhere)."""
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tiny file system needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_a_real_full_file_system_keeps_the_previous_checkpoints(tmp_path):
