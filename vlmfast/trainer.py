@@ -244,7 +244,7 @@ class OptimizedTrainer:
                 result.report.extra["bad samples skipped"] = bad
             if self.is_main_process:
                 metrics_logger.write(result.report.to_text())
-                self._write_report(result.report)
+                self._write_report(metrics_logger.whole_run(result.report))  # report.json: all sessions
         getattr(self.loader, "close", lambda: None)()  # the prefetch thread, if any
         self._fire("on_fit_end", result)
         return result
