@@ -16,12 +16,22 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import re
+import types
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu|hpu|npu)(:\d+)?")
@@ -43,9 +53,32 @@ KEY_ALIASES: dict[str, str] = {
 
 
 class Section(BaseModel):
-    """Base of every spec section: unknown keys fail with a suggestion of the closest valid key."""
+    """Base of every spec section: unknown keys fail with a suggestion of the closest valid key; numbers are strict
+    (no boolean for a number, no fraction for a whole number, finite, within 64 bits)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads `batch_size: true` as 1 and `grad_clip: yes` (YAML 1.1: true) as 1.0
+        kinds = _number_kinds(cls.model_fields[info.field_name].annotation)
+        if kinds:
+            items = value if isinstance(value, (list, tuple)) and kinds & {"seq_int", "seq_float"} else [value]
+            for item in items:
+                _check_number_type(item, kinds)
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite_numbers(cls, value: Any) -> Any:
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"must be a finite number, got {item} (a YAML number beyond 1.8e308 reads as "
+                                 "infinity)")
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**63:
+                raise ValueError(f"{item} is out of range: at most 2**63 - 1 (a 64-bit integer)")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -57,6 +90,41 @@ class Section(BaseModel):
             if key not in valid:
                 raise ValueError(f"unknown key '{key}' in {_section_label(cls)}{_suggestion(str(key), valid)}")
         return data
+
+
+def _number_kinds(annotation: Any) -> set[str]:
+    """What numbers a field takes: int / float / bool, and seq_int / seq_float for tuples and lists of them."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _number_kinds(args[0])
+    if origin in (Union, types.UnionType):
+        return set().union(*(_number_kinds(a) for a in args))
+    if origin is Literal:
+        return {"bool" if isinstance(a, bool) else "int" for a in args if isinstance(a, int)}
+    if origin in (tuple, list):
+        inner = set().union(*(_number_kinds(a) for a in args if a is not Ellipsis))
+        return {f"seq_{k}" for k in inner & {"int", "float"}} | ({"seq_bool"} if "bool" in inner else set())
+    return {"bool"} if annotation is bool else {"int"} if annotation is int else {"float"} if annotation is float \
+        else set()
+
+
+def _check_number_type(value: Any, kinds: set[str]) -> None:
+    ints, floats = kinds & {"int", "seq_int"}, kinds & {"float", "seq_float"}
+    if isinstance(value, float) and not math.isfinite(value):  # before range checks: they would say "greater than"
+        raise ValueError(f"must be a finite number, got {value}")
+    if isinstance(value, bool) and (ints or floats) and not kinds & {"bool", "seq_bool"}:
+        raise ValueError(f"expected a number, got the boolean {str(value).lower()} (YAML reads true/false, yes/no and "
+                         "on/off as booleans): write the number")
+    if isinstance(value, float) and ints and not floats:
+        raise ValueError(f"expected a whole number, got {value!r}: write it without a fraction or exponent")
+    if isinstance(value, str) and ints and not floats and not re.fullmatch(r"\s*[-+]?\d+\s*", value):
+        try:
+            number = float(value)
+        except ValueError:
+            return  # not a number at all: pydantic's own message says so
+        hint = f": write {int(number)}" if math.isfinite(number) and number == int(number) else ""
+        raise ValueError(f"expected a whole number, got the text {value!r} (YAML reads 1e5 without a dot as "
+                         f"text){hint}")
 
 
 def _suggestion(key: str, valid: set[str]) -> str:
@@ -217,7 +285,7 @@ class PowerSGDSpec(Section):
 class DDPSpec(Section):
     """DistributedDataParallel: bucketing, graph options and gradient-communication hooks."""
 
-    bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size for the overlapped all-reduce")
+    bucket_cap_mb: float = Field(25.0, gt=0, le=1e6, description="gradient bucket size for the overlapped all-reduce")
     gradient_as_bucket_view: bool = Field(True, description="gradients are views into the buckets (saves a copy)")
     static_graph: bool = Field(False, description="the graph is the same every step (enables extra optimisations)")
     find_unused_parameters: bool = Field(
@@ -237,7 +305,7 @@ class DDPSpec(Section):
     )
     powersgd: PowerSGDSpec = Field(default_factory=PowerSGDSpec)
     timeout_minutes: float = Field(
-        10.0, gt=0, description="collective timeout: a rank that dies makes the others fail after this long"
+        10.0, gt=0, le=1e6, description="collective timeout: a rank that dies makes the others fail after this long"
     )
     nccl_presets: list[Literal["async_errors", "infiniband", "nvlink", "small_buffers"]] = Field(
         default_factory=list, description="NCCL environment presets applied before the process group starts "
@@ -497,7 +565,7 @@ class TrainSpec(Section):
     Usage: ``TrainSpec(max_steps=200, batch_size=16, micro_batch_size=4, precision="bf16")``
     """
 
-    seed: int = Field(0, description="seeds torch, numpy and random, and the data order")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds torch, numpy and random, and the data order")
     max_steps: int = Field(100, ge=1, description="optimizer steps; a resumed run stops at the same step")
     batch_size: int = Field(8, ge=1, description="samples per optimizer step per rank")
     micro_batch_size: int | None = Field(
@@ -594,26 +662,15 @@ class TrainSpec(Section):
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainSpec:
-        """Load a spec from .yaml/.yml/.json; errors name the file and the field."""
+        """Load a spec from .yaml/.yml/.json; every error names the file (and the field, or the key and line)."""
         path = Path(path)
-        if not path.is_file():
-            raise SpecError(f"spec file not found: {path}")
-        text = path.read_text()
-        try:
-            if path.suffix in (".yaml", ".yml"):
-                data = yaml.safe_load(text) or {}
-            elif path.suffix == ".json":
-                data = json.loads(text)
-            else:
-                raise SpecError(f"{path}: unsupported spec format '{path.suffix}'; use .yaml, .yml or .json")
-        except (yaml.YAMLError, json.JSONDecodeError) as exc:
-            raise SpecError(f"{path}: cannot parse: {exc}") from exc
-        if not isinstance(data, dict):
-            raise SpecError(f"{path}: the spec must be a mapping of field names to values")
+        data = load_spec_file(path)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             raise SpecError(f"{path}: invalid spec\n{format_validation_error(exc)}") from exc
+        except (ValueError, TypeError) as exc:
+            raise SpecError(f"{path}: invalid spec: {exc}") from exc
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, YAML/JSON-serialisable dict that :meth:`model_validate` reads back unchanged."""
@@ -625,6 +682,70 @@ class TrainSpec(Section):
         data = self.to_dict()
         text = json.dumps(data, indent=2) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
         path.write_text(text)
+
+
+def load_spec_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a .yaml/.yml/.json spec file; a duplicate key, bad bytes or bad syntax is a SpecError naming
+    the file (and the key and lines)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"spec file not found: {path}" if not path.exists() else f"{path}: not a file")
+    if path.suffix not in (".yaml", ".yml", ".json"):
+        raise SpecError(f"{path}: unsupported spec format '{path.suffix}'; use .yaml, .yml or .json")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): save it "
+                        "as UTF-8") from exc
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text, object_pairs_hook=_unique_json_keys)
+        else:
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # a SafeLoader: no Python objects
+    except _DuplicateKeyError as exc:
+        raise SpecError(f"{path}: {exc}") from exc
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise SpecError(f"{path}: cannot parse: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: the spec must be a mapping of field names to values")
+    return data
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key repeated in one mapping (PyYAML keeps the last one silently, so a second
+    `optimizer:` section would drop the first one's settings). Merge keys (`<<: *base`) still override."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.setdefault(key, line)
+            except TypeError:  # an unhashable key: the base constructor reports it
+                continue
+            if first != line:
+                raise _DuplicateKeyError(f"key '{key}' appears twice in one mapping (lines {first} and {line}); YAML "
+                                         "would keep only the last one and silently drop the other: merge them")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKeyError(f"key '{key}' appears twice in one object; JSON readers keep only the last one "
+                                     "and silently drop the other: merge them")
+        seen[key] = value
+    return seen
 
 
 def format_validation_error(exc: ValidationError) -> str:
