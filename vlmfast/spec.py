@@ -383,6 +383,11 @@ class DataSpec(Section):
     image_key: str = Field("images", description="batch key of the raw images for device_image_size")
     image_mean: tuple[float, float, float] = Field((0.5, 0.5, 0.5), description="normalisation mean (0-1 scale)")
     image_std: tuple[float, float, float] = Field((0.5, 0.5, 0.5), description="normalisation std (0-1 scale)")
+    check_samples: Literal["skip", "error", "off"] = Field(
+        "skip", description="host-side check of every batch (integer token ids and labels within the model's "
+        "vocabulary, finite pixel values; no device sync): skip: drop a failing sample and count it as bad; error: "
+        "stop naming it; off: no check"
+    )
     max_bad_sample_fraction: float = Field(
         0.01, ge=0, le=1, description="stop with an error naming the sample (or shard) when more than this share of "
         "samples (over at least 100) is unreadable or does not fit its batch; they are skipped and counted until then"

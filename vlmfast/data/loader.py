@@ -1,7 +1,8 @@
 """The training loader: yields whole per-rank optimizer batches forever and can resume mid-epoch exactly.
 
-A sample that cannot be read, or does not fit its batch (other keys, another shape), is dropped from the batch and
-counted, up to ``data.max_bad_sample_fraction``; then the error names it (``vlmfast.data.bad_samples``).
+A sample that cannot be read, does not fit its batch (other keys, another shape) or fails the host-side checks
+(``data.check_samples``: integer ids within the vocabulary, finite pixels) is dropped from the batch and counted, up
+to ``data.max_bad_sample_fraction``; then the error names it (``vlmfast.data.bad_samples``).
 
 Usage::
 
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from vlmfast.data.autotune import AutotuneResult, autotune_num_workers
 from vlmfast.data.bad_samples import BadSampleCounts, CheckedCollate, IndexedDataset
+from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.data.samplers import LengthGroupedSampler, check_groupable, dataset_lengths
 from vlmfast.interrupt import stop_signals_blocked, worker_ignores_stop_signals
 from vlmfast.spec import DataSpec
@@ -82,7 +84,10 @@ class ResumableLoader:
         pin_memory: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        sample_check: SampleCheck | None = None,
     ) -> None:
+        """`sample_check`: the host-side checks of every batch (data.check_samples; default: without the model's
+        vocabulary, so ids are not range-checked: the trainer passes ``SampleCheck.for_model``)."""
         self.batch_size = batch_size
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -107,7 +112,9 @@ class ResumableLoader:
             return
         stream = isinstance(data, IterableDataset)
         # Bad samples (unreadable, wrong keys or shapes) are dropped from their batch and counted, or named in an error.
-        checked = CheckedCollate(collate_fn, self.bad_samples, spec.max_bad_sample_fraction, indexed=not stream)
+        check = None if spec.check_samples == "off" else sample_check or SampleCheck()
+        checked = CheckedCollate(collate_fn, self.bad_samples, spec.max_bad_sample_fraction, indexed=not stream,
+                                 check=check, check_mode=spec.check_samples)
         source = data if stream else IndexedDataset(data)
         if stream:
             self._configure_stream(data, spec, world_size)
