@@ -31,6 +31,7 @@ from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
 from vlmfast.data.prefetch import device_batches
+from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.distributed.backend import build_backend
 from vlmfast.distributed.ddp import explain_ddp_error
 from vlmfast.distributed.process_group import apply_nccl_presets, explain_rank_failure, init_distributed
@@ -145,7 +146,10 @@ class OptimizedTrainer:
         pin = self.spec.data.pin_memory if self.spec.data.pin_memory is not None else self.device.type == "cuda"
         self.loader = device_batches(  # data.device_prefetch: the next batch is copied while this step runs
             ResumableLoader(train_data, self.spec.batch_size, self.spec.data, self.spec.seed, self.collate_fn,
-                            pin_memory=pin, rank=self.rank, world_size=self.world_size), self.spec.data, self.device)
+                            pin_memory=pin, rank=self.rank, world_size=self.world_size,
+                            sample_check=SampleCheck.for_model(model, self.spec.loss.label_key,
+                                                               self.spec.loss.ignore_index)),
+            self.spec.data, self.device)
 
     def _build_strategies(self, loss_fn: LossFn | None) -> list[Strategy]:
         """The strategies the spec turns on, in the order they change the model (the backend wraps it last)."""
