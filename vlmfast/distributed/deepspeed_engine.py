@@ -138,10 +138,13 @@ class DeepSpeedBackend(TorchBackend):
         except ImportError as exc:
             raise SpecError("deepspeed.enabled needs DeepSpeed: pip install 'vlmfast[deepspeed]' (on a machine "
                             "without CUDA: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)") from exc
+        from vlmfast.distributed.build_locks import explain_build_locks
+
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown vlmfast's report
         ensure_process_group()
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
-                                                    dist_init_required=False)
+        with explain_build_locks():  # a killed op build's lock file would make this wait forever, silently
+            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
+                                                        dist_init_required=False)
         return self.engine
 
     @property
