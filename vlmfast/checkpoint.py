@@ -412,6 +412,9 @@ def resume_path(resume: str, directory: str | Path | None) -> Path | None:
         verify_checkpoint(folder)
     except CorruptCheckpointError as exc:
         raise SpecError(f"save.resume: cannot resume from {path}: {exc}") from exc
+    except OSError as exc:  # unreadable files (permissions), a dangling link inside
+        raise SpecError(f"save.resume: cannot resume from {path}: {exc.filename or path} cannot be read "
+                        f"({exc.strerror or exc}): fix its permissions, or resume from another checkpoint") from exc
     return path
 
 

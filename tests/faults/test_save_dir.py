@@ -177,3 +177,28 @@ def _assert_refused(target: Path) -> None:
             train(make_spec(max_steps=1, **{field: {"dir": str(target)}}))
         with pytest.raises(SpecError, match=rf"{field}.dir {target}/sub cannot be created: no write permission"):
             train(make_spec(max_steps=1, **{field: {"dir": str(target / "sub")}}))
+
+
+def test_spec_check_warns_about_a_folder_that_would_fail_here(tmp_path, capsys):
+    from vlmfast.cli import main
+
+    (tmp_path / "a_file").write_text("x")
+    spec = tmp_path / "run.yaml"
+    spec.write_text(f"save:\n  dir: {tmp_path / 'a_file'}\n")
+    assert main(["spec", "--check", str(spec)]) == 0  # a spec is valid anywhere; the folder is this machine's
+    err = capsys.readouterr().err
+    assert f"warning (on this machine): save.dir {tmp_path / 'a_file'} is a file, not a folder" in err
+
+
+def test_an_unreadable_checkpoint_given_as_resume_path_is_named(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, 1, {"w": torch.ones(2)})
+    from vlmfast import checkpoint
+
+    def denied(path, fsync=False):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint, "_verified", {})
+    monkeypatch.setattr(checkpoint, "_sha256", denied)
+    with pytest.raises(SpecError, match=r"cannot resume from .*step_00000001: .*step_00000001/meta.json cannot be read "
+                       r"\(Permission denied\)"):
+        checkpoint.resume_path(str(tmp_path / "step_00000001"), None)
