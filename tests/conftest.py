@@ -102,6 +102,31 @@ class LlavaDataset(torch.utils.data.Dataset):
                 "pixel_values": self.pixels[i]}
 
 
+def assert_gradients_close(actual, expected, rtol: float = 1e-5, names=None) -> None:
+    """Gradients agree to `rtol` on the scale of the whole gradient (dicts name -> tensor, or equal-length sequences).
+
+    The error vector's norm is at most `rtol` times the gradient's norm, and every tensor's largest error at most
+    `rtol` times the gradient's largest entry. Never per-tensor relative: a tensor whose true gradient is analytically
+    zero (an attention key bias: softmax is shift-invariant) holds only float noise, which differs between CPUs.
+    Compared in float64.
+    """
+    if isinstance(expected, dict):
+        assert sorted(actual) == sorted(expected)
+        names = list(expected)
+        actual, expected = [actual[n] for n in names], [expected[n] for n in names]
+    names = names or [str(i) for i in range(len(expected))]
+    assert len(actual) == len(expected)
+    actual = [a.detach().double() for a in actual]
+    expected = [e.detach().double() for e in expected]
+    norm = torch.sqrt(sum((e**2).sum() for e in expected))
+    diff = torch.sqrt(sum(((a - e) ** 2).sum() for a, e in zip(actual, expected, strict=True)))
+    assert diff <= rtol * norm, f"gradient error {float(diff / norm):.2e} of its norm > {rtol}"
+    scale = max(float(e.abs().max()) for e in expected if e.numel())
+    for name, a, e in zip(names, actual, expected, strict=True):
+        worst = float((a - e).abs().max()) if e.numel() else 0.0
+        assert worst <= rtol * scale, f"{name}: largest error {worst:.2e} > {rtol} x the gradient's largest entry"
+
+
 @pytest.fixture
 def tiny_lm():
     torch.manual_seed(0)

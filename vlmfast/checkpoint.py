@@ -1,16 +1,26 @@
-"""Atomic checkpoints: a run killed at any moment leaves its last complete checkpoint intact.
+"""Atomic, verified checkpoints: a run killed at any moment leaves its last complete checkpoint intact, and a
+checkpoint damaged afterwards is detected before anything is loaded from it.
 
-A checkpoint is a folder ``step_00000100/`` holding ``state.pt`` and ``meta.json``. It is written under a
-temporary name, flushed to disk, then renamed: a folder with the final name is always complete.
+A checkpoint is a folder ``step_00000100/`` holding ``state.pt``, ``meta.json`` (and, for sharded backends, the
+shards) and, written last, ``manifest.json``: the size and SHA-256 of every file. It is written under a temporary
+name, flushed to disk, then renamed: a folder with the final name is always complete. Before loading, every file
+is checked against the manifest (and no file may be added); ``resume: auto`` falls back from a damaged newest
+checkpoint to the previous verified one, with a warning naming the damage. Nothing is unpickled with
+``weights_only=False``.
+
+A failed save (a full disk, an I/O error) removes its partial folder, keeps every previous checkpoint and raises
+:class:`CheckpointWriteError` naming ``save.dir`` and the bytes it needed.
 
 Usage::
 
     path = save_checkpoint("ckpt", step=100, state=trainer_state, keep_last=3)
-    state = load_checkpoint(latest_checkpoint("ckpt"))
+    state = load_checkpoint(latest_verified_checkpoint("ckpt"))     # verified against its manifest first
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -18,59 +28,155 @@ import pickle
 import re
 import shutil
 import time
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from vlmfast.save_dir import SaveDirLock, format_bytes, leftover_is_abandoned, temp_name
 
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = 1
+_LEFTOVER = re.compile(r"^\.(tmp|old)-step_\d{8}-")
+_CHUNK = 8 << 20
 
 
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint file that torch.load cannot read; the message names it."""
+class CheckpointError(RuntimeError):
+    """Base of the checkpoint errors; each message names the file or folder and what to do."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose files do not match its manifest, or that torch.load cannot read; names the file."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save that failed (disk full, I/O error): the partial folder is removed, the previous checkpoints are kept."""
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+# ---- writing ----------------------------------------------------------------------------------------------------
 def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep_last: int = 3,
                     meta: dict[str, Any] | None = None, staged: Path | None = None) -> Path:
     """Write `state` atomically as checkpoint `step` in `directory`; keep the newest `keep_last`.
 
     `staged`: a folder from :func:`staging_dir` that other ranks already wrote their shards into; it becomes the
-    checkpoint together with `state`, in the same atomic rename.
+    checkpoint together with `state`, in the same atomic rename. Holds the folder's :class:`SaveDirLock` meanwhile
+    (re-entrant: the trainer holds it for the whole run).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    with SaveDirLock(directory):
+        tmp = staged or _fresh_temp_dir(directory, step)
+        write = [(STATE_FILE, lambda f: torch.save(state, f)),
+                 (META_FILE, lambda f: f.write(json.dumps({"step": step, "time": time.time(), **(meta or {})},
+                                                          indent=2).encode()))]
+        final = commit_checkpoint(directory, step, tmp, write, needed=lambda: state_bytes(state))
+        prune_checkpoints(directory, keep_last)
+    return final
+
+
+def commit_checkpoint(directory: Path, step: int, tmp: Path, files: list[tuple[str, Callable[[Any], Any]]],
+                      needed: Callable[[], int]) -> Path:
+    """Write `files` into `tmp`, fsync, write the manifest of everything in `tmp`, rename it to its final name.
+
+    On any failure the temporary folder is removed (the previous checkpoints are untouched) and an OSError becomes
+    :class:`CheckpointWriteError` naming `directory` and about `needed()` bytes.
+    """
     final = directory / checkpoint_name(step)
-    tmp = staged or directory / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
-    if staged is None:
+    try:
+        for name, write in files:
+            _write_synced(tmp / name, write)
+        write_manifest(tmp, step)
+        _publish(directory, tmp, final)
+        _remember_verified(final)  # hashed from these very files: a resume in this process need not read them again
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    _write_synced(tmp / STATE_FILE, lambda f: torch.save(state, f))
-    info = {"step": step, "time": time.time(), **(meta or {})}
-    _write_synced(tmp / META_FILE, lambda f: f.write(json.dumps(info, indent=2).encode()))
-    if final.exists():  # re-saving the same step: move the old one aside so the swap stays atomic
-        old = directory / f".old-{final.name}-{os.getpid()}"
+        cause = _os_error_in(exc)
+        if cause is not None:
+            raise _write_error(directory, step, cause, needed) from exc
+        raise
+    return final
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc` (torch.save reports a failed write as a RuntimeError of its zip writer, with the
+    OSError as its context)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _publish(directory: Path, tmp: Path, final: Path) -> None:
+    if final.is_symlink() or final.exists():  # re-saving the same step: move the old one aside, keep the swap atomic
+        old = directory / temp_name("old", final.name)
         final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
     _fsync_dir(directory)
-    prune_checkpoints(directory, keep_last)
-    return final
+
+
+def _write_error(directory: Path, step: int, exc: OSError, needed: Callable[[], int]) -> CheckpointWriteError:
+    try:
+        free = shutil.disk_usage(directory).free
+        need = needed()
+    except Exception:  # the message must not fail on the way out
+        free, need = None, None
+    space = f" It needs about {format_bytes(need)}; {format_bytes(free)} are free on that disk." if need else ""
+    latest = latest_checkpoint(directory)
+    kept = f"the previous checkpoint {latest.name} is intact" if latest else "no earlier checkpoint exists"
+    advice = ("Free space, or set save.dir to a folder on a larger disk" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+              else "Check the disk and the folder's permissions, or set save.dir to another folder")
+    return CheckpointWriteError(
+        f"save.dir {directory}: cannot write checkpoint {checkpoint_name(step)} ({exc.strerror or exc}).{space} "
+        f"The partial checkpoint was removed and {kept}. {advice}; resume continues from the last checkpoint"
+    )
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensor storages in `state` (each storage once, as torch.save writes them)."""
+    seen: dict[int, int] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(state)
+    return sum(seen.values())
+
+
+def _fresh_temp_dir(directory: Path, step: int) -> Path:
+    tmp = directory / temp_name("tmp", checkpoint_name(step))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
 
 
 def staging_dir(directory: str | Path, step: int, world_size: int = 1) -> Path:
     """The temporary folder all ranks write a sharded checkpoint into (rank 0's name: a collective when sharded)."""
     directory = Path(directory)
-    name = [f".tmp-{checkpoint_name(step)}-{os.getpid()}"]
+    name = [temp_name("tmp", checkpoint_name(step))]
     if world_size > 1:
         torch.distributed.broadcast_object_list(name, src=0)
     staged = directory / name[0]
@@ -97,38 +203,180 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+# ---- the manifest -----------------------------------------------------------------------------------------------
+def write_manifest(folder: Path, step: int) -> dict[str, Any]:
+    """Hash every file under `folder` (fsyncing files other ranks wrote) and write ``manifest.json`` last."""
+    files: dict[str, dict[str, Any]] = {}
+    for path in sorted(_files_under(folder)):
+        rel = path.relative_to(folder).as_posix()
+        if rel == MANIFEST_FILE:
+            continue
+        files[rel] = {"bytes": path.stat().st_size, "sha256": _sha256(path, fsync=True)}
+    for sub in sorted({p.parent for p in _files_under(folder)} | {folder}):
+        _fsync_dir(sub)
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
+    _write_synced(folder / MANIFEST_FILE, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    return manifest
+
+
+def _files_under(folder: Path) -> list[Path]:
+    found = []
+    for root, dirs, names in os.walk(folder, followlinks=False):
+        found += [Path(root) / n for n in names]
+        found += [Path(root) / d for d in dirs if (Path(root) / d).is_symlink()]  # a linked folder: an unexpected file
+    return found
+
+
+def _sha256(path: Path, fsync: bool = False) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+_verified: dict[str, tuple[Any, ...]] = {}  # folder -> stat signature of its files when they last matched
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Check every file of checkpoint folder `path` against its manifest; raise :class:`CorruptCheckpointError`
+    naming the first file that is missing, of another size or content, or not in the manifest.
+
+    A folder written before manifests existed is checked by the CRCs of its zip files only (logged). A folder
+    verified earlier in this process and not modified since is not hashed again.
+    """
+    folder = Path(path)
+    manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.is_file():
+        _verify_legacy(folder)
+        return
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files: dict[str, dict[str, Any]] = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{manifest_path} cannot be read ({type(exc).__name__}: {exc}): the checkpoint "
+                                     f"cannot be verified. {_DELETE_ADVICE}") from exc
+    on_disk = {p.relative_to(folder).as_posix(): p for p in _files_under(folder)}
+    on_disk.pop(MANIFEST_FILE, None)
+    extra = sorted(set(on_disk) - set(files))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CorruptCheckpointError(f"{folder / extra[0]}{more}: not listed in this checkpoint's manifest, so not "
+                                     f"written by vlmfast's save: nothing is loaded. Remove it, or "
+                                     f"{_DELETE_ADVICE[0].lower()}{_DELETE_ADVICE[1:]}")
+    if _verified.get(str(folder.resolve())) == _signature(on_disk):
+        return
+    for rel, expected in files.items():
+        _verify_file(folder / rel, expected)
+    _remember_verified(folder)
+
+
+def _signature(files: dict[str, Path]) -> tuple[Any, ...]:
+    return tuple(sorted((rel, _stat_key(p)) for rel, p in files.items()))
+
+
+def _remember_verified(folder: Path) -> None:
+    files = {p.relative_to(folder).as_posix(): p for p in _files_under(folder)}
+    files.pop(MANIFEST_FILE, None)
+    _verified[str(folder.resolve())] = _signature(files)
+
+
+def _stat_key(path: Path) -> tuple[int, int, int]:
+    st = path.lstat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _verify_file(file: Path, expected: dict[str, Any]) -> None:
+    if not file.is_file() or file.is_symlink():
+        raise CorruptCheckpointError(f"{file} is missing (listed in the checkpoint's manifest). {_DELETE_ADVICE}")
+    size = file.stat().st_size
+    if size != expected.get("bytes"):
+        raise CorruptCheckpointError(f"{file} has {size} bytes where the manifest says {expected.get('bytes')}: it "
+                                     f"was truncated or changed after the save. {_DELETE_ADVICE}")
+    if _sha256(file) != expected.get("sha256"):
+        raise CorruptCheckpointError(f"{file} does not match its SHA-256 in the manifest: its bytes changed after the "
+                                     f"save (disk or copy error, or tampering). {_DELETE_ADVICE}")
+
+
+def _verify_legacy(folder: Path) -> None:
+    """Checkpoints of vlmfast versions without manifests: the zip CRCs torch.save wrote catch flipped bytes."""
+    for file in sorted(_files_under(folder)):
+        if file.suffix != ".pt" or not zipfile.is_zipfile(file):
+            continue
+        try:
+            with zipfile.ZipFile(file) as archive:
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{file} cannot be read: {exc}. {_DELETE_ADVICE}") from exc
+        if bad is not None:
+            raise CorruptCheckpointError(f"{file}: entry {bad} fails its CRC check: the file changed after the save. "
+                                         f"{_DELETE_ADVICE}")
+    log.info("%s has no manifest (written by an older vlmfast): checked the zip CRCs of its files only", folder)
+
+
+_DELETE_ADVICE = "Delete that checkpoint folder to resume from the previous one"
+
+
+# ---- finding and loading ----------------------------------------------------------------------------------------
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """Complete checkpoints in `directory`, oldest first (temporary folders of killed writers are ignored)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
+    found = [p for p in directory.iterdir() if STEP_DIR.match(p.name) and p.is_dir() and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint, or None."""
+    """The newest complete checkpoint, or None (not verified: see :func:`latest_verified_checkpoint`)."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
 
 
+def latest_verified_checkpoint(directory: str | Path) -> Path | None:
+    """The newest checkpoint whose files match its manifest, or None when there is none at all.
+
+    A damaged newer one is skipped with a warning naming it and what is wrong. When checkpoints exist but none
+    verifies, raises :class:`CorruptCheckpointError` (starting afresh would prune them away).
+    """
+    found = list_checkpoints(directory)
+    damaged: list[str] = []
+    for path in reversed(found):
+        try:
+            verify_checkpoint(path)
+        except (CorruptCheckpointError, OSError) as exc:
+            damaged.append(f"{path.name}: {exc}")
+            log.warning("checkpoint %s is damaged, falling back to the previous one: %s", path, exc)
+            continue
+        return path
+    if damaged:
+        raise CorruptCheckpointError(f"no checkpoint in {directory} passes verification, so nothing is resumed and "
+                                     f"nothing is deleted: {'; '.join(damaged)}")
+    return None
+
+
 def prune_checkpoints(directory: str | Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints, and leftovers of interrupted writes."""
+    """Delete all but the newest `keep_last` complete checkpoints, and leftovers of writers that are gone (never a
+    running writer's temporary folder: see :func:`vlmfast.save_dir.leftover_is_abandoned`)."""
     directory = Path(directory)
-    for stale in directory.glob(".tmp-step_*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid != str(os.getpid()):
+    for stale in directory.iterdir():
+        if _LEFTOVER.match(stale.name) and leftover_is_abandoned(directory, stale.name):
             shutil.rmtree(stale, ignore_errors=True)
     for old in list_checkpoints(directory)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint folder (or its state.pt) written by :func:`save_checkpoint`."""
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", verify: bool = True) -> dict[str, Any]:
+    """Read a checkpoint folder (or its state.pt) written by :func:`save_checkpoint`, verified against its manifest
+    first (`verify`), with torch's weights-only unpickler."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: expected a folder with {STATE_FILE}")
+    if verify and (path.is_dir() or (file.parent / MANIFEST_FILE).is_file()):
+        verify_checkpoint(file.parent)
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
     except (PermissionError, FileNotFoundError):
@@ -143,16 +391,30 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def resume_path(resume: str, directory: str | Path | None) -> Path | None:
-    """The checkpoint `save.resume` asks for: 'auto' (newest in `directory`, if any), 'never', or a path."""
+    """The checkpoint `save.resume` asks for, verified: 'auto' (newest verified in `directory`, if any), 'never', or
+    a path (refused naming the bad file if it does not verify)."""
     from vlmfast.spec import SpecError
 
     if resume == "never":
         return None
     if resume == "auto":
-        return latest_checkpoint(directory) if directory else None
+        if not directory:
+            return None
+        try:
+            return latest_verified_checkpoint(directory)
+        except CorruptCheckpointError as exc:
+            raise SpecError(f"save.resume: cannot resume from {directory}: {exc}") from exc
     path = Path(resume)
     if not path.exists():
         raise SpecError(f"save.resume: checkpoint {path} does not exist; use 'auto', 'never' or a path")
+    folder = path if path.is_dir() else path.parent
+    try:
+        verify_checkpoint(folder)
+    except CorruptCheckpointError as exc:
+        raise SpecError(f"save.resume: cannot resume from {path}: {exc}") from exc
+    except OSError as exc:  # unreadable files (permissions), a dangling link inside
+        raise SpecError(f"save.resume: cannot resume from {path}: {exc.filename or path} cannot be read "
+                        f"({exc.strerror or exc}): fix its permissions, or resume from another checkpoint") from exc
     return path
 
 

@@ -36,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except Exception as exc:  # a clear one-line error for every known bad input, no traceback
+        from vlmfast.checkpoint import CheckpointError
         from vlmfast.spec import SpecError
 
-        if isinstance(exc, (SpecError, ValueError, FileNotFoundError)) and not os.environ.get("VLMFAST_TRACEBACK"):
+        known = (SpecError, ValueError, FileNotFoundError, CheckpointError)
+        if isinstance(exc, known) and not os.environ.get("VLMFAST_TRACEBACK"):
             print(f"vlmfast: error: {exc}\n(set VLMFAST_TRACEBACK=1 for the traceback)", file=sys.stderr)
             return 2
         raise
@@ -88,7 +90,19 @@ def _cmd_spec(args: argparse.Namespace) -> int:
         spec = TrainSpec.from_file(args.check)
         print(yaml.safe_dump(spec.to_dict(), sort_keys=False), end="")
         print(f"# {args.check}: valid", file=sys.stderr)
+        _warn_about_folders(spec)
     return 0
+
+
+def _warn_about_folders(spec: Any) -> None:
+    """`spec --check` validates anywhere; folders that would fail on this machine are said as warnings."""
+    from vlmfast.save_dir import check_output_dirs
+    from vlmfast.spec import SpecError
+
+    try:
+        check_output_dirs(spec)
+    except SpecError as exc:
+        print(f"# warning (on this machine): {exc}", file=sys.stderr)
 
 
 def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:

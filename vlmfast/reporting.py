@@ -1,16 +1,25 @@
 """What a run tells its user: a progress bar, per-step metrics (JSONL, TensorBoard) and an end-of-run report.
 
-Only rank 0 writes. Usage::
+Only rank 0 writes. After a resume, ``metrics.jsonl`` is first cut back to the step the run resumed from (a killed
+run may have logged steps after its last checkpoint, which are about to run again), and TensorBoard purges its events
+after that step; ``report.json`` describes the whole run across resumes (:meth:`MetricsLogger.whole_run`). A log
+that cannot be written (a full disk) is warned about once and skipped: it never stops training or its checkpoints.
 
-    with MetricsLogger(spec.log, total_steps=spec.max_steps) as metrics:
+Usage::
+
+    with MetricsLogger(spec.log, total_steps=spec.max_steps, initial_step=resumed_step) as metrics:
         metrics.log_step({"step": 1, "loss": 2.3, ...})
+        report = metrics.whole_run(session_report)      # cumulative over every session of this run
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +32,11 @@ from vlmfast.tracking import open_trackers
 # The one definition of "step time" the report prints (the profiler's phase split uses its timed steps only).
 STEP_TIME_DEFINITION = "wall clock from one optimizer step's end to the next's, data wait included"
 
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+REPORT_FILE = "report.json"
+
 
 class MetricsLogger:
     """Writes per-step metrics to metrics.jsonl / TensorBoard and drives the progress bar."""
@@ -31,20 +45,39 @@ class MetricsLogger:
                  config: dict[str, Any] | None = None) -> None:
         self.spec = spec
         self.enabled = enabled
-        self._jsonl = None
+        self.initial_step = initial_step
+        self._fd: int | None = None
         self._tensorboard = None
         # W&B / MLflow get the records metrics.jsonl gets; `config` (the spec) is their run's parameters.
         self._trackers = open_trackers(spec, config) if enabled else []
-        if enabled and spec.dir is not None:
-            Path(spec.dir).mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(Path(spec.dir) / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self._failed: str | None = None  # the first write error, warned once
+        self.path = Path(spec.dir) / METRICS_FILE if spec.dir is not None else None
+        if enabled and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = self._open_truncated(self.path, initial_step)
             if spec.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tensorboard = SummaryWriter(log_dir=str(spec.dir))
+                # purge_step: events of steps after the resumed one (logged before a kill) are hidden, as in the JSONL
+                self._tensorboard = SummaryWriter(log_dir=str(spec.dir), purge_step=initial_step + 1)
         show = {"on": True, "off": False, "auto": sys.stderr.isatty()}[spec.progress]
         self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
                          disable=not (enabled and show))
+
+    @staticmethod
+    def _open_truncated(path: Path, initial_step: int) -> int | None:
+        """Open metrics.jsonl for appending, cut after the last whole line of a step <= `initial_step`."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        keep, dropped = _lines_up_to(path, initial_step)
+        if dropped:
+            os.ftruncate(fd, keep)  # shrinking needs no free space
+            if initial_step:
+                log.info("%s: dropped %d line(s) after step %d (logged before the run was stopped; they run again)",
+                         path, dropped, initial_step)
+            else:
+                log.warning("%s held %d line(s) of an earlier run that never saved a checkpoint: starting it afresh",
+                            path, dropped)
+        return fd
 
     def log_step(self, metrics: dict[str, Any]) -> None:
         """Record one optimizer step (written every `log.every_steps`; the bar moves every step)."""
@@ -57,15 +90,57 @@ class MetricsLogger:
         if not self._bar.disable:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", samples_s=f"{metrics['samples_per_s']:.1f}",
                                   tokens_s=f"{metrics['tokens_per_s']:.0f}", refresh=False)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(metrics) + "\n")
-            self._jsonl.flush()
+        if self._fd is not None:
+            self._append((json.dumps(metrics) + "\n").encode())
         if self._tensorboard is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tensorboard.add_scalar(key if "/" in key else f"train/{key}", value, step)
+            try:
+                for key, value in metrics.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        self._tensorboard.add_scalar(key if "/" in key else f"train/{key}", value, step)
+            except OSError as exc:
+                self._warn_failed("TensorBoard events", exc)
         for tracker in self._trackers:
             tracker.log(metrics, step)
+
+    def _append(self, line: bytes) -> None:
+        """One whole line or nothing: a failed write is cut back, so the file never holds half a line."""
+        size = os.fstat(self._fd).st_size
+        try:
+            self._write(line)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)
+            self._warn_failed(str(self.path), exc)
+            return
+        if self._failed:
+            log.warning("%s is written again (from step %s on)", self.path, json.loads(line)["step"])
+            self._failed = None
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def _warn_failed(self, what: str, exc: OSError) -> None:
+        if self._failed is None:
+            log.warning("cannot write %s (%s): training goes on and checkpoints are still saved; these metrics are "
+                        "missing until it can be written again (check the disk of log.dir)", what, exc.strerror or exc)
+        self._failed = what
+
+    def whole_run(self, session: RunReport) -> RunReport:
+        """The report of the whole run: this session's `session` report merged with the steps logged before it
+        (metrics.jsonl, cut back to the resumed step) and the earlier sessions in report.json. Without log.dir,
+        or when nothing ran before, `session` itself."""
+        if self.path is None:
+            return session
+        logged = [m for m in _read_lines(self.path) if "step_time" in m]
+        before = [m for m in logged if m["step"] <= self.initial_step]
+        if not before:  # the run's first session
+            first = {"from_step": self.initial_step, "to_step": self.initial_step + session.steps,
+                     "wall_time_s": session.wall_time_s}
+            return RunReport(**{**asdict(session), "extra": {**session.extra, "sessions": [first]}})
+        return _merge(session, logged, before, self.initial_step, _read_report(self.path.parent / REPORT_FILE),
+                      self.spec.every_steps)
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""
@@ -74,10 +149,14 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._bar.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._tensorboard is not None:
-            self._tensorboard.close()
+            try:
+                self._tensorboard.close()
+            except OSError as exc:
+                self._warn_failed("TensorBoard events", exc)
         for tracker in self._trackers:
             tracker.close()
         self._trackers = []
@@ -87,6 +166,87 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _lines_up_to(path: Path, step: int) -> tuple[int, int]:
+    """(bytes to keep, lines dropped): whole JSON lines of steps <= `step`, up to the first other line."""
+    keep, dropped = 0, 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if dropped:
+                dropped += 1
+                continue
+            try:
+                good = raw.endswith(b"\n") and json.loads(raw)["step"] <= step
+            except (ValueError, KeyError, TypeError):
+                good = False
+            if good:
+                keep += len(raw)
+            else:
+                dropped = 1
+    return keep, dropped
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                try:
+                    out.append(json.loads(raw))
+                except ValueError:
+                    continue
+    except OSError:
+        return []
+    return out
+
+
+def _read_report(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _merge(session: RunReport, logged: list[dict[str, Any]], before: list[dict[str, Any]], initial_step: int,
+           previous: dict[str, Any] | None, every_steps: int) -> RunReport:
+    """Totals over every logged step of the run; wall time and peak memory from the earlier sessions' reports."""
+    times = sorted(m["step_time"] for m in logged) or [0.0]
+    total_time = sum(times) or 1.0
+    sessions = _earlier_sessions(previous, before, initial_step, every_steps)
+    end = initial_step + session.steps
+    if session.steps:
+        sessions.append({"from_step": initial_step, "to_step": end, "wall_time_s": session.wall_time_s})
+    merged = {f.name: getattr(session, f.name) for f in fields(session)}
+    merged.update(
+        steps=end, wall_time_s=sum(s["wall_time_s"] for s in sessions),
+        samples_per_s=sum(m["samples_per_s"] * m["step_time"] for m in logged) / total_time,
+        tokens_per_s=sum(m["tokens_per_s"] * m["step_time"] for m in logged) / total_time,
+        step_time_p50_s=percentile(times, 0.5), step_time_p90_s=percentile(times, 0.9),
+        data_wait_ratio=sum(m.get("data_time", 0.0) for m in logged) / total_time,
+        first_loss=before[0]["loss"] if before[0]["step"] <= every_steps else session.first_loss,
+        final_loss=session.final_loss if session.steps else logged[-1]["loss"],
+        peak_memory_gb=max(session.peak_memory_gb, float((previous or {}).get("peak_memory_gb") or 0.0)),
+        extra={**session.extra, "sessions": sessions},
+    )
+    return RunReport(**merged)
+
+
+def _earlier_sessions(previous: dict[str, Any] | None, before: list[dict[str, Any]], initial_step: int,
+                      every_steps: int) -> list[dict[str, Any]]:
+    """The sessions that led to `initial_step`: report.json's (those that ended by then), and for steps no report
+    covers (a session that was killed) an estimate from their logged step times."""
+    known = [dict(s) for s in ((previous or {}).get("extra", {}).get("sessions") or []) if s["to_step"] <= initial_step]
+    if not known and previous and previous.get("steps") and previous["steps"] <= initial_step and not previous.get(
+            "extra", {}).get("sessions"):
+        known = [{"from_step": 0, "to_step": previous["steps"], "wall_time_s": previous["wall_time_s"]}]
+    covered = known[-1]["to_step"] if known else 0
+    if covered < initial_step:
+        gap = [m["step_time"] for m in before if covered < m["step"] <= initial_step]
+        estimate = sum(gap) * every_steps if gap else 0.0
+        known.append({"from_step": covered, "to_step": initial_step, "wall_time_s": estimate, "estimated": True})
+    return known
 
 
 @dataclass
@@ -132,7 +292,14 @@ class RunReport:
         return asdict(self)
 
     def write_json(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2))
+        """Write atomically (a temporary file, then a rename); a failure is a warning, never the end of the run."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("cannot write %s (%s): the report is printed above only", path, exc.strerror or exc)
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def from_history(

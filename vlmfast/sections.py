@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import difflib
 import functools
-from typing import Any, get_args
+import math
+import re
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = ["Field", "Section", "SpecError", "set_root"]
 
@@ -48,9 +51,32 @@ RENAMED_KEYS: dict[str, dict[str, str]] = {
 
 
 class Section(BaseModel):
-    """Base of every spec section: unknown keys fail with a suggestion of the closest valid key."""
+    """Base of every spec section: unknown keys fail with a suggestion of the closest valid key; numbers are strict
+    (no boolean for a number, no fraction for a whole number, finite, within 64 bits)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads `batch_size: true` as 1 and `grad_clip: yes` (YAML 1.1: true) as 1.0
+        kinds = _number_kinds(cls.model_fields[info.field_name].annotation)
+        if kinds:
+            items = value if isinstance(value, (list, tuple)) and kinds & {"seq_int", "seq_float"} else [value]
+            for item in items:
+                _check_number_type(item, kinds)
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite_numbers(cls, value: Any) -> Any:
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"must be a finite number, got {item} (a YAML number beyond 1.8e308 reads as "
+                                 "infinity)")
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**63:
+                raise ValueError(f"{item} is out of range: at most 2**63 - 1 (a 64-bit integer)")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -64,6 +90,41 @@ class Section(BaseModel):
             if key not in valid:
                 raise ValueError(f"unknown key '{key}' in {_section_label(cls)}{_suggestion(str(key), valid)}")
         return data
+
+
+def _number_kinds(annotation: Any) -> set[str]:
+    """What numbers a field takes: int / float / bool, and seq_int / seq_float for tuples and lists of them."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _number_kinds(args[0])
+    if origin in (Union, types.UnionType):
+        return set().union(*(_number_kinds(a) for a in args))
+    if origin is Literal:
+        return {"bool" if isinstance(a, bool) else "int" for a in args if isinstance(a, int)}
+    if origin in (tuple, list):
+        inner = set().union(*(_number_kinds(a) for a in args if a is not Ellipsis))
+        return {f"seq_{k}" for k in inner & {"int", "float"}} | ({"seq_bool"} if "bool" in inner else set())
+    return {"bool"} if annotation is bool else {"int"} if annotation is int else {"float"} if annotation is float \
+        else set()
+
+
+def _check_number_type(value: Any, kinds: set[str]) -> None:
+    ints, floats = kinds & {"int", "seq_int"}, kinds & {"float", "seq_float"}
+    if isinstance(value, float) and not math.isfinite(value):  # before range checks: they would say "greater than"
+        raise ValueError(f"must be a finite number, got {value}")
+    if isinstance(value, bool) and (ints or floats) and not kinds & {"bool", "seq_bool"}:
+        raise ValueError(f"expected a number, got the boolean {str(value).lower()} (YAML reads true/false, yes/no and "
+                         "on/off as booleans): write the number")
+    if isinstance(value, float) and ints and not floats:
+        raise ValueError(f"expected a whole number, got {value!r}: write it without a fraction or exponent")
+    if isinstance(value, str) and ints and not floats and not re.fullmatch(r"\s*[-+]?\d+\s*", value):
+        try:
+            number = float(value)
+        except ValueError:
+            return  # not a number at all: pydantic's own message says so
+        hint = f": write {int(number)}" if math.isfinite(number) and number == int(number) else ""
+        raise ValueError(f"expected a whole number, got the text {value!r} (YAML reads 1e5 without a dot as "
+                         f"text){hint}")
 
 
 def _suggestion(key: str, valid: set[str]) -> str:

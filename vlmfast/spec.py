@@ -181,7 +181,7 @@ class PowerSGDSpec(Section):
 class DDPSpec(Section):
     """DistributedDataParallel: bucketing, graph options and gradient-communication hooks."""
 
-    bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size for the overlapped all-reduce")
+    bucket_cap_mb: float = Field(25.0, gt=0, le=1e6, description="gradient bucket size for the overlapped all-reduce")
     gradient_as_bucket_view: bool = Field(True, description="gradients are views into the buckets (saves a copy)")
     static_graph: bool = Field(False, description="the graph is the same every step (enables extra optimisations)")
     find_unused_parameters: bool = Field(
@@ -201,7 +201,7 @@ class DDPSpec(Section):
     )
     powersgd: PowerSGDSpec = Field(default_factory=PowerSGDSpec)
     timeout_minutes: float = Field(
-        10.0, gt=0, description="collective timeout: a rank that dies makes the others fail after this long"
+        10.0, gt=0, le=1e6, description="collective timeout: a rank that dies makes the others fail after this long"
     )
     nccl_presets: list[Literal["async_errors", "infiniband", "nvlink", "small_buffers"]] = Field(
         default_factory=list, description="NCCL environment presets applied before the process group starts "
@@ -277,6 +277,11 @@ class DataSpec(Section):
     image_key: str = Field("images", description="batch key of the raw images for device_image_size")
     image_mean: tuple[float, float, float] = Field((0.5, 0.5, 0.5), description="normalisation mean (0-1 scale)")
     image_std: tuple[float, float, float] = Field((0.5, 0.5, 0.5), description="normalisation std (0-1 scale)")
+    check_samples: Literal["skip", "error", "off"] = Field(
+        "skip", description="host-side check of every batch (integer token ids and labels within the model's "
+        "vocabulary, finite pixel values; no device sync): skip: drop a failing sample and count it as bad; error: "
+        "stop naming it; off: no check"
+    )
     max_bad_sample_fraction: float = Field(
         0.01, ge=0, le=1, description="stop with an error naming the sample (or shard) when more than this share of "
         "samples (over at least 100) is unreadable or does not fit its batch; they are skipped and counted until then"
@@ -462,7 +467,7 @@ class TrainSpec(Section):
     Usage: ``TrainSpec(max_steps=200, batch_size=16, micro_batch_size=4, precision="bf16")``
     """
 
-    seed: int = Field(0, description="seeds torch, numpy and random, and the data order")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds torch, numpy and random, and the data order")
     max_steps: int = Field(100, ge=1, description="optimizer steps; a resumed run stops at the same step")
     batch_size: int = Field(8, ge=1, description="samples per optimizer step per rank")
     micro_batch_size: int | None = Field(
@@ -568,26 +573,15 @@ class TrainSpec(Section):
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainSpec:
-        """Load a spec from .yaml/.yml/.json; errors name the file and the field."""
+        """Load a spec from .yaml/.yml/.json; every error names the file (and the field, or the key and line)."""
         path = Path(path)
-        if not path.is_file():
-            raise SpecError(f"spec file not found: {path}")
-        text = path.read_text()
-        try:
-            if path.suffix in (".yaml", ".yml"):
-                data = yaml.safe_load(text) or {}
-            elif path.suffix == ".json":
-                data = json.loads(text)
-            else:
-                raise SpecError(f"{path}: unsupported spec format '{path.suffix}'; use .yaml, .yml or .json")
-        except (yaml.YAMLError, json.JSONDecodeError) as exc:
-            raise SpecError(f"{path}: cannot parse: {exc}") from exc
-        if not isinstance(data, dict):
-            raise SpecError(f"{path}: the spec must be a mapping of field names to values")
+        data = load_spec_file(path)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             raise SpecError(f"{path}: invalid spec\n{format_validation_error(exc)}") from exc
+        except (ValueError, TypeError) as exc:
+            raise SpecError(f"{path}: invalid spec: {exc}") from exc
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, YAML/JSON-serialisable dict that :meth:`model_validate` reads back unchanged."""
@@ -601,6 +595,70 @@ class TrainSpec(Section):
         path.write_text(text)
 
 
+def load_spec_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a .yaml/.yml/.json spec file; a duplicate key, bad bytes or bad syntax is a SpecError naming
+    the file (and the key and lines)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"spec file not found: {path}" if not path.exists() else f"{path}: not a file")
+    if path.suffix not in (".yaml", ".yml", ".json"):
+        raise SpecError(f"{path}: unsupported spec format '{path.suffix}'; use .yaml, .yml or .json")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): save it "
+                        "as UTF-8") from exc
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text, object_pairs_hook=_unique_json_keys)
+        else:
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # a SafeLoader: no Python objects
+    except _DuplicateKeyError as exc:
+        raise SpecError(f"{path}: {exc}") from exc
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise SpecError(f"{path}: cannot parse: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: the spec must be a mapping of field names to values")
+    return data
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key repeated in one mapping (PyYAML keeps the last one silently, so a second
+    `optimizer:` section would drop the first one's settings). Merge keys (`<<: *base`) still override."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.setdefault(key, line)
+            except TypeError:  # an unhashable key: the base constructor reports it
+                continue
+            if first != line:
+                raise _DuplicateKeyError(f"key '{key}' appears twice in one mapping (lines {first} and {line}); YAML "
+                                         "would keep only the last one and silently drop the other: merge them")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKeyError(f"key '{key}' appears twice in one object; JSON readers keep only the last one "
+                                     "and silently drop the other: merge them")
+        seen[key] = value
+    return seen
+
+
 def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: the dotted field path, then what to change."""
     lines = []
@@ -612,11 +670,14 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def check_environment(spec: TrainSpec) -> None:
-    """Fail before any work when the machine cannot run the spec (fp16 or a CUDA device without CUDA)."""
+    """Fail before any work when the machine cannot run the spec (fp16 or a CUDA device without CUDA, a save.dir or
+    log.dir that cannot be written)."""
     import torch
 
+    from vlmfast.save_dir import check_output_dirs
     from vlmfast.utils import resolve_device
 
+    check_output_dirs(spec)
     device = resolve_device(spec.device)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecError(f"device '{spec.device}': CUDA is not available on this machine; use device: auto or cpu")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import socket
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,24 @@ def train(spec: TrainSpec, model: torch.nn.Module | None = None, data: Any = Non
     torch.manual_seed(1234)
     trainer = OptimizedTrainer(model or TinyCausalLM(dropout=0.1), data or TokenDataset(64), spec, **kwargs)
     return trainer, trainer.fit()
+
+
+@contextlib.contextmanager
+def tiny_filesystem(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` (needs root and mount rights: the test is skipped elsewhere; the tests that
+    inject ENOSPC cover the same code everywhere)."""
+    import pytest
+
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tiny file system needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,7 +1,9 @@
 """Bad samples in a Dataset: skipped and counted, or an error that names the sample and what to do.
 
-A sample is bad when reading it raises (an undecodable image, a truncated file) or when it does not fit the rest of
-its batch: other keys than the others, or a shape that the collate function cannot stack with theirs. The trainer's
+A sample is bad when reading it raises (an undecodable image, a truncated file), when it does not fit the rest of
+its batch (other keys than the others, or a shape that the collate function cannot stack with theirs), or when it
+fails the host-side checks of ``data.check_samples`` (float token ids, ids or labels outside the vocabulary, NaN or
+Inf pixels: ``vlmfast.data.sample_checks``). The trainer's
 loader drops such samples from the batch and counts them (in shared memory, across DataLoader workers) until more
 than ``data.max_bad_sample_fraction`` of the samples read (over at least 100) were bad; then it stops with
 :class:`TooManyBadSamplesError`, naming the sample's dataset index and why. An error that the whole batch hits (a
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset, default_collate, get_worker_info
+
+from vlmfast.data.sample_checks import SampleCheck
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +121,8 @@ class CheckedCollate:
     max_bad_fraction: float = 0.01
     indexed: bool = True
     logged: int = 0
+    check: SampleCheck | None = None  # host-side checks of ids, labels and pixels (data.check_samples)
+    check_mode: str = "skip"  # skip: drop and count a sample that fails them; error: stop naming it
 
     def __call__(self, items: list[Any]) -> Any:
         indices, samples = self._unpack(items)
@@ -138,8 +144,35 @@ class CheckedCollate:
                 bad.update({good[j]: why for j, why in misfits.items()})
                 good = [k for k in good if k not in bad]
                 batch = self._collate([samples[k] for k in good])
+        if self.check is not None and batch is not None:
+            batch, good = self._checked(batch, samples, good, bad, indices)
         self._account(bad, indices, len(good))
         return batch
+
+    def _checked(self, batch: Any, samples: list[Any], good: list[int], bad: dict[int, str],
+                 indices: list[int | None]) -> tuple[Any, list[int]]:
+        """One cheap check of the whole batch; only when it fails, each sample alone, to name the ones at fault."""
+        problem = self.check.problem(batch)
+        if problem is None:
+            return batch, good
+        culprits = {k: why for k in good if (why := self._sample_problem(samples[k])) is not None}
+        if not culprits:  # the batch fails but no sample alone does: the collate function made it so
+            raise BadSampleError(f"the batch of samples {self._names(indices, good)} fails the sample checks "
+                                 f"({problem}) though no sample alone does: check collate_fn (or set "
+                                 "data.check_samples: off)")
+        if self.check_mode == "error":
+            k, why = next(iter(culprits.items()))
+            raise BadSampleError(f"{self._name(indices, k)}: {why}. Fix or filter it in the dataset, or set "
+                                 "data.check_samples: skip to drop and count such samples")
+        bad.update(culprits)
+        good = [k for k in good if k not in culprits]
+        return (self._collate([samples[k] for k in good]) if good else None), good
+
+    def _sample_problem(self, sample: Any) -> str | None:
+        try:
+            return self.check.problem(self._collate([sample]))
+        except Exception:  # a sample that does not collate alone was judged above (find_misfits)
+            return None
 
     def _collate(self, samples: list[Any]) -> Any:
         return (self.collate_fn or default_collate)(samples)

@@ -1,7 +1,8 @@
 """The training loader: yields whole per-rank optimizer batches forever and can resume mid-epoch exactly.
 
-A sample that cannot be read, or does not fit its batch (other keys, another shape), is dropped from the batch and
-counted, up to ``data.max_bad_sample_fraction``; then the error names it (``vlmfast.data.bad_samples``).
+A sample that cannot be read, does not fit its batch (other keys, another shape) or fails the host-side checks
+(``data.check_samples``: integer ids within the vocabulary, finite pixels) is dropped from the batch and counted, up
+to ``data.max_bad_sample_fraction``; then the error names it (``vlmfast.data.bad_samples``).
 
 Usage::
 
@@ -13,7 +14,9 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +25,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from vlmfast.data.autotune import AutotuneResult, autotune_num_workers
 from vlmfast.data.bad_samples import BadSampleCounts, CheckedCollate, IndexedDataset
+from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.data.samplers import LengthGroupedSampler, check_groupable, dataset_lengths
+from vlmfast.interrupt import stop_signals_blocked, worker_ignores_stop_signals
 from vlmfast.spec import DataSpec
 
 log = logging.getLogger(__name__)
@@ -79,7 +84,10 @@ class ResumableLoader:
         pin_memory: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        sample_check: SampleCheck | None = None,
     ) -> None:
+        """`sample_check`: the host-side checks of every batch (data.check_samples; default: without the model's
+        vocabulary, so ids are not range-checked: the trainer passes ``SampleCheck.for_model``)."""
         self.batch_size = batch_size
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -94,13 +102,19 @@ class ResumableLoader:
                 raise ValueError(f"the DataLoader yields batches of {data.batch_size} but batch_size is {batch_size}: "
                                  "set batch_size to match, or pass the Dataset and let vlmfast build the loader")
             self.loader = data
+            if data.num_workers > 0 and getattr(data.worker_init_fn, "func", None) is not worker_ignores_stop_signals:
+                # Stop signals are the main process's: a scheduler's SIGTERM to the group must not kill workers.
+                data.worker_init_fn = functools.partial(worker_ignores_stop_signals, init=data.worker_init_fn,
+                                                        main_pid=os.getpid())
             if world_size > 1 and not hasattr(data.sampler, "set_epoch"):
                 log.warning("%d ranks share a user DataLoader without a DistributedSampler: every rank may see the "
                             "same batches; pass the Dataset instead and vlmfast shards it", world_size)
             return
         stream = isinstance(data, IterableDataset)
         # Bad samples (unreadable, wrong keys or shapes) are dropped from their batch and counted, or named in an error.
-        checked = CheckedCollate(collate_fn, self.bad_samples, spec.max_bad_sample_fraction, indexed=not stream)
+        check = None if spec.check_samples == "off" else sample_check or SampleCheck()
+        checked = CheckedCollate(collate_fn, self.bad_samples, spec.max_bad_sample_fraction, indexed=not stream,
+                                 check=check, check_mode=spec.check_samples)
         source = data if stream else IndexedDataset(data)
         if stream:
             self._configure_stream(data, spec, world_size)
@@ -163,11 +177,13 @@ class ResumableLoader:
     def _start_epoch(self) -> Iterator[Any]:
         if self.sampler is not None:
             self.sampler.set_position(self.epoch, self.batch_in_epoch * self.batch_size)
-            return iter(self.loader)
+            with stop_signals_blocked():  # new workers start with SIGTERM/SIGINT blocked (see vlmfast.interrupt)
+                return iter(self.loader)
         for source in (self.loader.sampler, self.loader.dataset):  # DistributedSampler, shard readers
             if hasattr(source, "set_epoch"):
                 source.set_epoch(self.epoch)
-        iterator = iter(self.loader)
+        with stop_signals_blocked():
+            iterator = iter(self.loader)
         if self.batch_in_epoch:
             log.warning("resuming by skipping %d already-seen batches of epoch %d (exact only if the data order is "
                         "deterministic)", self.batch_in_epoch, self.epoch)
@@ -178,6 +194,14 @@ class ResumableLoader:
     def sample_counts(self) -> dict[str, int]:
         """Samples delivered and bad samples skipped so far (summed over workers): {"samples": n, "bad": m}."""
         return self.bad_samples.as_dict()
+
+    def close(self) -> None:
+        """Shut the loader's worker processes down now (they would otherwise live until garbage collection)."""
+        for iterator in (self._iterator, getattr(self.loader, "_iterator", None)):  # persistent workers: the latter
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        self._iterator = None
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
@@ -191,6 +215,8 @@ def _loader_kwargs(spec: DataSpec, pin_memory: bool, num_workers: int, persisten
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
     if num_workers > 0:
         kwargs["persistent_workers"] = persistent
+        # A scheduler's SIGTERM to the process group is the main process's to handle (a final checkpoint).
+        kwargs["worker_init_fn"] = functools.partial(worker_ignores_stop_signals, main_pid=os.getpid())
         if spec.prefetch_factor is not None:
             kwargs["prefetch_factor"] = spec.prefetch_factor
     return kwargs

@@ -103,11 +103,12 @@ class DevicePrefetcher:
             return self._to_device(host_batch), state
 
     def close(self) -> None:
-        """Finish the loads in flight and stop the background thread."""
+        """Finish the loads in flight, stop the background thread, and close the host loader (its workers)."""
         while self._pending:
             self._collect()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        getattr(self.source, "close", lambda: None)()
 
     def _to_device(self, host_batch: Any) -> Any:
         batch = move_to_device(host_batch, self.device, non_blocking=True)

@@ -31,6 +31,8 @@ from accelerate.utils import recursively_apply
 from torch import nn
 
 from vlmfast.engines.base import Engine, OptimizerFactory, StepResult
+from vlmfast.engines.build_locks import explain_build_locks
+from vlmfast.engines.deepspeed_safe_load import weights_only_loading
 from vlmfast.engines.process_group import ensure_process_group
 from vlmfast.spec import SpecError, TrainSpec
 from vlmfast.strategies.precision import EnginePrecision
@@ -133,8 +135,9 @@ class DeepSpeedEngine(Engine):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown vlmfast's report
         ensure_process_group()
         self.module, self.optimizer = model, build_optimizer(model)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config,
-                                                    dist_init_required=False)
+        with explain_build_locks():  # a killed op build's lock file would make this wait forever, silently
+            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config,
+                                                        dist_init_required=False)
         return self.engine
 
     @property
@@ -189,8 +192,10 @@ class DeepSpeedEngine(Engine):
         self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
 
     def load_shards(self, directory: Path) -> None:
-        """Restore model, optimizer and precision state from a checkpoint written by :meth:`save_shards`."""
-        path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_lr_scheduler_states=False)
+        """Restore model, optimizer and precision state from a checkpoint written by :meth:`save_shards` (every
+        shard is unpickled weights-only: vlmfast.engines.deepspeed_safe_load)."""
+        with weights_only_loading(self.engine):
+            path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"{directory}/{CHECKPOINT_TAG}: no DeepSpeed checkpoint there (was this run "
                                     "trained with engine: deepspeed and the same zero_stage?)")

@@ -139,7 +139,11 @@ class MemoryMonitor(Callback):
 
         events = [(w.step, "leak warning") for w in self.leak_warnings]
         title = f"Memory timeline ({self._device()})"
-        self.plot_path = plot_memory_timeline(self.timeline, self.log_dir / "memory_timeline.png", title, events)
+        try:
+            self.plot_path = plot_memory_timeline(self.timeline, self.log_dir / "memory_timeline.png", title, events)
+        except OSError as exc:  # a full log disk: a warning, never the end of a run
+            log.warning("cannot write the memory timeline to %s (%s)", self.log_dir, exc.strerror or exc)
+            return None
         log.info("memory timeline written to %s", self.plot_path)
         return self.plot_path
 

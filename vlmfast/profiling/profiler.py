@@ -120,9 +120,14 @@ class RunProfiler:
                 summary["step_time_plot"] = str(plot_step_breakdown(history, self.log_dir / "step_time_breakdown.png"))
             except ValueError as exc:  # no timed step (a very short run): no plot, and say why
                 log.info("%s", exc)
+            except OSError as exc:  # a full log disk: a warning, never the end of a run
+                log.warning("cannot write the step-time plot to %s (%s)", self.log_dir, exc.strerror or exc)
         if self.log_dir is not None and self.is_main_process and summary:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            (self.log_dir / "profile_summary.json").write_text(json.dumps(summary, indent=2))
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                (self.log_dir / "profile_summary.json").write_text(json.dumps(summary, indent=2))
+            except OSError as exc:
+                log.warning("cannot write profile_summary.json to %s (%s)", self.log_dir, exc.strerror or exc)
         self.summary = summary
         return report_lines(summary)
 

@@ -29,6 +29,7 @@ from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
 from vlmfast.data.prefetch import device_batches
+from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.engines import build_engine
 from vlmfast.engines.collectives import barrier, broadcast_object, gather_objects, sum_loss_and_flags
 from vlmfast.engines.ddp import ddp_errors_explained
@@ -38,6 +39,7 @@ from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.profiling import RunProfiler
 from vlmfast.reporting import MetricsLogger, RunReport
+from vlmfast.save_dir import SaveDirLock, prepare_save_dir, run_checkpoint_bytes
 from vlmfast.spec import TrainSpec, check_environment
 from vlmfast.strategies.accumulation import AccumulationPlan, GradientAccumulation, LossFn
 from vlmfast.strategies.base import Step, Strategy, overrides
@@ -109,7 +111,10 @@ class OptimizedTrainer:
         pin = spec.data.pin_memory if spec.data.pin_memory is not None else self.device.type == "cuda"
         self.loader = device_batches(  # data.device_prefetch: the next batch is copied while this step runs
             ResumableLoader(train_data, spec.batch_size, spec.data, spec.seed, self.collate_fn,
-                            pin_memory=pin, rank=self.rank, world_size=self.world_size), spec.data, self.device)
+                            pin_memory=pin, rank=self.rank, world_size=self.world_size,
+                            sample_check=SampleCheck.for_model(self.engine.module, spec.loss.label_key,
+                                                               spec.loss.ignore_index)),
+            spec.data, self.device)
 
     def _build_memory_monitor(self) -> MemoryMonitor | None:
         """Leak detection, allocator history and the timeline plot, fed by the trainer's memory readings."""
@@ -135,6 +140,22 @@ class OptimizedTrainer:
     # ---- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> FitResult:
         """Train until `max_steps` (resuming first when `save.resume` finds a checkpoint)."""
+        save_dir_lock = self._prepare_save_dir()  # one writer per save.dir, room for a checkpoint: before any step
+        try:
+            return self._fit()
+        finally:
+            if save_dir_lock is not None:
+                save_dir_lock.release()
+
+    def _prepare_save_dir(self) -> SaveDirLock | None:
+        if not self.is_main_process:
+            return None
+        spec = self.spec
+        return prepare_save_dir(spec.save.dir, lambda: run_checkpoint_bytes(
+            spec.save.dir, self.engine.module, spec.optimizer.name, spec.optimizer.momentum,
+            master_weights=self.engine.writes_shards and spec.precision != "fp32"))
+
+    def _fit(self) -> FitResult:
         resumed_from = resume_run(self.engine, self.load_state_dict, self.spec.save.resume, self.spec.save.dir)
         self.model.train()
         reset_peak_memory(self.device)
@@ -182,7 +203,7 @@ class OptimizedTrainer:
                 result.report.extra["bad samples skipped"] = bad
             if self.is_main_process:
                 metrics_logger.write(result.report.to_text())
-                self._write_report(result.report)
+                self._write_report(metrics_logger.whole_run(result.report))  # report.json: all sessions
         getattr(self.loader, "close", lambda: None)()  # the prefetch thread, if any
         self._fire("on_fit_end", result)
         return result
