@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from vlmfast.save_dir import SaveDirLock, format_bytes, leftover_is_abandoned, temp_name
+from vlmfast.sections import SpecError
 
 log = logging.getLogger(__name__)
 
@@ -393,8 +394,6 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
 def resume_path(resume: str, directory: str | Path | None) -> Path | None:
     """The checkpoint `save.resume` asks for, verified: 'auto' (newest verified in `directory`, if any), 'never', or
     a path (refused naming the bad file if it does not verify)."""
-    from vlmfast.spec import SpecError
-
     if resume == "never":
         return None
     if resume == "auto":
@@ -441,8 +440,6 @@ CHANGES_TRAINING_ON_RESUME = ("max_steps", "precision", "grad_clip", "loss.weigh
 def check_same_world_size(saved: int, current: int) -> None:
     """Refuse a resume on another number of ranks: `batch_size` is per rank, so the global batch, the data shards
     and the per-rank generators would all change silently."""
-    from vlmfast.spec import SpecError
-
     if saved != current:
         raise SpecError(
             f"save.resume: the checkpoint was written by {saved} rank(s), this run has {current}: batch_size counts "
@@ -463,8 +460,6 @@ _MISSING = _Absent()
 def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to continue a run whose spec changed in a field that would silently mix two trainings
     (:data:`REFUSED_ON_RESUME`); say which other fields changed and what that means."""
-    from vlmfast.spec import SpecError
-
     changed = _changed_fields(saved, current)
     for dotted, (old, new) in changed.items():
         reason = _refusal(dotted)

@@ -31,14 +31,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from vlmfast.spec import SpecError
-
-if TYPE_CHECKING:
-    from vlmfast.spec import TrainSpec
+from vlmfast.sections import SpecError
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +232,7 @@ def temp_name(prefix: str, name: str) -> str:
 
 
 # ---- checks before any training ---------------------------------------------------------------------------------
-def check_output_dirs(spec: TrainSpec) -> None:
+def check_output_dirs(spec: Any) -> None:
     """``save.dir`` and ``log.dir`` are (or can be created as) folders this process can write, with no dangling link;
     raises a SpecError naming the field. Creates nothing."""
     for field, directory in (("save.dir", spec.save.dir), ("log.dir", spec.log.dir)):
@@ -335,7 +332,7 @@ def prepare_save_dir(directory: str | Path | None, checkpoint_bytes: Callable[[]
     """At the start of a run, on rank 0: take ``save.dir``'s lock and check there is room for one more checkpoint
     (raises naming ``save.dir`` otherwise). The caller releases the lock at the end of the run.
 
-    Usage: ``lock = prepare_save_dir(spec.save.dir, lambda: run_checkpoint_bytes(...))``
+    Usage: ``lock = prepare_save_dir(spec.save.dir, lambda: estimate_checkpoint_bytes(model))``
     """
     if directory is None:
         return None
@@ -347,14 +344,3 @@ def prepare_save_dir(directory: str | Path | None, checkpoint_bytes: Callable[[]
         lock.release()
         raise
     return lock
-
-
-def run_checkpoint_bytes(directory: str | Path, model: Any, optimizer_name: str, momentum: float,
-                         master_weights: bool) -> int:
-    """The size of the newest checkpoint in `directory`, else an estimate from the model and the optimizer."""
-    from vlmfast.checkpoint import latest_checkpoint
-
-    latest = latest_checkpoint(directory)
-    if latest is not None:
-        return sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
-    return estimate_checkpoint_bytes(model, optimizer_name, momentum, master_weights=master_weights)

@@ -27,8 +27,8 @@ from vlmfast.data.autotune import AutotuneResult, autotune_num_workers
 from vlmfast.data.bad_samples import BadSampleCounts, CheckedCollate, IndexedDataset
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.data.samplers import LengthGroupedSampler, check_groupable, dataset_lengths
-from vlmfast.interrupt import stop_signals_blocked, worker_ignores_stop_signals
 from vlmfast.spec import DataSpec
+from vlmfast.train.interrupt import stop_signals_blocked, worker_ignores_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class ResumableLoader:
     def _start_epoch(self) -> Iterator[Any]:
         if self.sampler is not None:
             self.sampler.set_position(self.epoch, self.batch_in_epoch * self.batch_size)
-            with stop_signals_blocked():  # new workers start with SIGTERM/SIGINT blocked (see vlmfast.interrupt)
+            with stop_signals_blocked():  # new workers start with SIGTERM/SIGINT blocked (see vlmfast.train.interrupt)
                 return iter(self.loader)
         for source in (self.loader.sampler, self.loader.dataset):  # DistributedSampler, shard readers
             if hasattr(source, "set_epoch"):

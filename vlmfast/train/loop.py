@@ -39,7 +39,7 @@ from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.profiling import RunProfiler
 from vlmfast.reporting import MetricsLogger, RunReport
-from vlmfast.save_dir import SaveDirLock, prepare_save_dir, run_checkpoint_bytes
+from vlmfast.save_dir import SaveDirLock, prepare_save_dir
 from vlmfast.spec import TrainSpec, check_environment
 from vlmfast.strategies.accumulation import AccumulationPlan, GradientAccumulation, LossFn
 from vlmfast.strategies.base import Step, Strategy, overrides
@@ -48,7 +48,7 @@ from vlmfast.strategies.registry import BuildContext, build_micro_batching, buil
 from vlmfast.train.batch_size import BatchSizeSearch, search_micro_batch_size
 from vlmfast.train.evaluation import evaluate_loss
 from vlmfast.train.interrupt import InterruptGuard
-from vlmfast.train.save_resume import needs_final_save, resume_run, save_run
+from vlmfast.train.save_resume import needs_final_save, resume_run, run_checkpoint_bytes, save_run
 from vlmfast.train.state import FitResult, TrainState
 from vlmfast.utils import resolve_device, rng_state, seed_everything, set_rng_state
 

@@ -19,6 +19,7 @@ from typing import Any
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, resume_path, save_checkpoint, staging_dir
 from vlmfast.engines.base import Engine
 from vlmfast.engines.collectives import barrier, broadcast_object, world_size
+from vlmfast.save_dir import estimate_checkpoint_bytes
 from vlmfast.spec import SpecError
 
 
@@ -68,3 +69,12 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def run_checkpoint_bytes(directory: str | Path, model: Any, optimizer_name: str, momentum: float,
+                         master_weights: bool) -> int:
+    """The size of the newest checkpoint in `directory`, else an estimate from the model and the optimizer."""
+    latest = latest_checkpoint(directory)
+    if latest is not None:
+        return sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
+    return estimate_checkpoint_bytes(model, optimizer_name, momentum, master_weights=master_weights)
