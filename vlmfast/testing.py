@@ -100,3 +100,8 @@ def _first_grad_tensor(output: Any) -> torch.Tensor | None:
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+from vlmfast.profiling.host_syncs import HostSync, HostSyncs, count_host_syncs  # noqa: E402  (re-exported)
+
+__all__ = ["SIMULATED_MESSAGE", "HostSync", "HostSyncs", "SimulatedOOM", "count_host_syncs", "simulated_oom"]
