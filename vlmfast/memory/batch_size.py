@@ -14,11 +14,11 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlmfast.data.batch import move_to_device, split_batch
+from vlmfast.data.batch import split_batch
 from vlmfast.strategies.oom import any_rank, free_memory, is_oom_error
 from vlmfast.utils import rng_state, set_rng_state
 
@@ -100,6 +100,38 @@ def _probe_fits(probe: Callable[[int], None], n: int, safety_margin: float, devi
     return not any_rank(not ok)
 
 
+def snapshot_to_host(state: Any) -> Any:
+    """A host copy of every tensor in a (nested) state dict, complete when this returns.
+
+    Each tensor is copied with a blocking ``.to("cpu", copy=True)``: a device-to-host copy with ``non_blocking=True``
+    returns before the data has arrived (the host buffer is only valid after a synchronisation; torch's
+    ``Tensor.to`` docs), so a snapshot taken that way and then deep-copied could hold half-written values. ``copy=True``
+    also makes a CPU tensor a separate copy (``.to`` would alias it). Non-tensor leaves are deep-copied.
+    Usage: ``saved = snapshot_to_host(model.state_dict()); ...; model.load_state_dict(saved)``
+    """
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)  # blocking: complete on return
+    if isinstance(state, dict):
+        return type(state)((key, snapshot_to_host(value)) for key, value in state.items())
+    if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
+        return type(state)(snapshot_to_host(value) for value in state)
+    return copy.deepcopy(state)
+
+
+def restore_from_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+                      optimizer_state: dict[str, Any]) -> None:
+    """Put a :func:`snapshot_to_host` of a model and its optimizer back, exactly.
+
+    ``load_state_dict`` copies into the existing parameters (the optimizer keeps pointing at them) and moves the
+    optimizer's states to each parameter's device (``Optimizer._process_value_according_to_param_policy``, which keeps
+    ``step`` on the host unless the optimizer is fused or capturable), so the step after the search is the one
+    that would have run without it.
+    Usage: ``restore_from_host(model, optimizer, saved_model, saved_optimizer)``
+    """
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
+
+
 def search_trainer_micro_batch_size(trainer: OptimizedTrainer, safety_margin: float = 0.9) -> BatchSizeSearch:
     """`OptimizedTrainer.find_micro_batch_size`: probe the trainer's own step, then restore all of its state."""
     from vlmfast.spec import SpecError
@@ -108,10 +140,8 @@ def search_trainer_micro_batch_size(trainer: OptimizedTrainer, safety_margin: fl
         raise SpecError(f"find_micro_batch_size probes without a sharded backend: run it with "
                         f"{trainer.spec.backend}.enabled: false (the per-rank activation memory is the same)")
     model = getattr(trainer.model, "module", trainer.model)
-    cpu = torch.device("cpu")
-    # Snapshots on the host (copied: on CPU .to() aliases): a device copy would take the memory being measured.
-    snapshot = (copy.deepcopy(move_to_device(model.state_dict(), cpu)),
-                copy.deepcopy(move_to_device(trainer.optimizer.state_dict(), cpu)),
+    # Snapshots on the host: a device copy would take the memory being measured.
+    snapshot = (snapshot_to_host(model.state_dict()), snapshot_to_host(trainer.optimizer.state_dict()),
                 rng_state(), trainer.loader.state_dict())
     manual_sync, trainer._manual_grad_sync = trainer._manual_grad_sync, True  # no DDP all-reduce inside a probe
     batch = next(trainer.loader)
@@ -129,8 +159,7 @@ def search_trainer_micro_batch_size(trainer: OptimizedTrainer, safety_margin: fl
         return find_max_micro_batch_size(probe, trainer.spec.batch_size, safety_margin=safety_margin,
                                          device=trainer.device)
     finally:
-        model.load_state_dict(snapshot[0])
-        trainer.optimizer.load_state_dict(snapshot[1])
+        restore_from_host(model, trainer.optimizer, snapshot[0], snapshot[1])
         set_rng_state(snapshot[2])
         trainer.loader.load_state_dict(snapshot[3])
         trainer.accumulation.micro_batch_size = trainer.state.micro_batch_size

@@ -114,6 +114,21 @@ def shape_key(batch: Any) -> tuple:
     return ()
 
 
+def _count_flash_attn_ops() -> None:
+    """flash-attn's kernels are custom ops FlopCounterMode cannot see into: give it their formulas (when installed)."""
+    from vlmfast.attention.backends import flash_attn_installed
+
+    if not flash_attn_installed():
+        return
+    try:
+        import flash_attn  # noqa: F401  (registers torch.ops.flashattn.*)
+    except ImportError:
+        return
+    from vlmfast.profiling.flash_flops import register_flash_attn_flops
+
+    register_flash_attn_flops()
+
+
 def real_token_fraction(batch: Any, lm_tokens: int | None) -> float:
     """Share of the language model's tokens that are not padding, from the attention mask (1.0 without one)."""
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
@@ -134,6 +149,8 @@ class FlopsMeter:
         self.method = method
         self.buckets: dict[tuple, MeasuredFlops] = {}
         self._roles = find_submodules(model)
+        if method == "measured":
+            _count_flash_attn_ops()
 
     def count(self, micro_batch: Any) -> contextlib.AbstractContextManager[None]:
         """Wrap the forward + backward of `micro_batch`: counted under FlopCounterMode if its shape is new."""

@@ -49,7 +49,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["HostSync", "HostSyncs", "count_host_syncs"]
@@ -107,6 +106,13 @@ class HostSyncs:
         self._lock = threading.Lock()
         self.active = True
 
+    def __getstate__(self) -> dict[str, Any]:  # picklable (sent back from spawned ranks): without the lock
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def count(self) -> int:
         """All host reads of device values seen so far."""
@@ -155,9 +161,14 @@ def _caller() -> str:
         frame = frame.f_back
     if frame is None:
         return "?"
-    path = Path(frame.f_code.co_filename)
-    parts = path.parts
-    short = "/".join(parts[parts.index("vlmfast"):]) if "vlmfast" in parts[:-1] else path.name
+    parts = Path(frame.f_code.co_filename).parts
+    if "site-packages" in parts:  # a library: deepspeed/runtime/utils.py
+        parts = parts[parts.index("site-packages") + 1:]
+    elif "vlmfast" in parts[:-1]:
+        parts = parts[len(parts) - 1 - parts[::-1].index("vlmfast"):]
+    else:
+        parts = parts[-1:]
+    short = "/".join(parts)
     return f"{short}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
@@ -189,6 +200,10 @@ class _Tags:
         cdata = _storage_key(tensor)
         return cdata is not None and cdata in self.by_storage
 
+    def untag(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self.by_storage.pop(_storage_key(tensor), None)
+
     def tag(self, tensor: torch.Tensor) -> None:
         if self.device.type != "cpu" or tensor.device.type != "cpu":
             return
@@ -212,7 +227,7 @@ def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor] | None:
     if type(tensor) in (torch.Tensor, nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
         return None
     names, _ = tensor.__tensor_flatten__()
-    return [getattr(tensor, name) for name in names]
+    return [inner for inner in (getattr(tensor, name, None) for name in names) if isinstance(inner, torch.Tensor)]
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
@@ -223,7 +238,14 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    """The tensors in nested tuples / lists / dicts of op arguments or outputs (cheaper than a pytree flatten)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
 
 
 class _DispatchCounter(TorchDispatchMode):
@@ -242,7 +264,7 @@ class _DispatchCounter(TorchDispatchMode):
         if any(on_device):
             self._count(func, args, kwargs, inputs, on_device)
         out = func(*args, **kwargs)
-        if any(on_device) and not self._is_host_result(func, args, kwargs, on_device):
+        if any(on_device):  # what is computed from a device value is one too (for copy_: the destination)
             for tensor in _tensors(out):
                 self.tags.tag(tensor)
         return out
@@ -255,16 +277,16 @@ class _DispatchCounter(TorchDispatchMode):
             self.syncs._record("boolean-mask indexing (nonzero)")
         elif func in _REPEAT_INTERLEAVE and kwargs.get("output_size") is None:
             self.syncs._record("repeat_interleave without output_size")
-        elif packet is aten.copy_ and on_device[1] and not self.tags.is_device(args[0]):
-            self.syncs._record("copy to a host tensor", blocking=not args[2] if len(args) > 2
-                               else not kwargs.get("non_blocking", False))
-        elif (packet is aten._to_copy and self.tags.device.type != "cpu"
-              and torch.device(kwargs.get("device") or inputs[0].device).type == "cpu"):
-            self.syncs._record("copy to the host", blocking=not kwargs.get("non_blocking", False))
+        elif self.tags.device.type != "cpu":  # a real accelerator: the host side of a copy is known
+            self._count_host_copy(packet, args, kwargs, inputs)
 
-    def _is_host_result(self, func: Any, args: tuple, kwargs: dict, on_device: list[bool]) -> bool:
-        """A copy from a device value into a host tensor leaves the host tensor untagged."""
-        return func.overloadpacket is aten.copy_ and not on_device[0]
+    def _count_host_copy(self, packet: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> None:
+        # On CPU (the accelerator simulated) a copy's direction is unknown: the destination is tagged instead.
+        if packet is aten.copy_ and args[0].device.type == "cpu" and self.tags.is_device(args[1]):
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self.syncs._record("copy to a host tensor", blocking=not non_blocking)
+        elif packet is aten._to_copy and torch.device(kwargs.get("device") or inputs[0].device).type == "cpu":
+            self.syncs._record("copy to the host", blocking=not kwargs.get("non_blocking", False))
 
 
 class _FunctionCounter(TorchFunctionMode):
@@ -280,7 +302,11 @@ class _FunctionCounter(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _HOST_METHODS and self.tags.is_device(args[0]):
             self.syncs._record(_HOST_METHODS[func])
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if out is args[0]:  # .cpu() on the CPU aliases; the host copy it stands for is a host value
+                out = out.clone()
+                self.tags.untag(out)
+            return out
         if func is torch.Tensor.to:
             return self._move(func, args, kwargs)
         explicit_device = kwargs.get("device")
@@ -297,7 +323,7 @@ class _FunctionCounter(TorchFunctionMode):
 
     def _move(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensor = args[0]
-        target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+        target = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})[0]
         out = func(*args, **kwargs)
         if target is None or self.tags.device.type != "cpu" or not self._is_accelerator(target):
             return out  # a dtype change (followed by dispatch), or a real device: nothing to simulate
