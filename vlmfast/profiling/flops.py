@@ -110,8 +110,18 @@ def shape_key(batch: Any) -> tuple:
     if isinstance(batch, Mapping):
         return tuple((key, shape_key(value)) for key, value in sorted(batch.items(), key=lambda kv: str(kv[0])))
     if isinstance(batch, (list, tuple)):
-        return tuple(shape_key(value) for value in batch)
+        # Host metadata (e.g. packing's per-row document_lengths, plain ints) does not change what runs: without
+        # this, every new document layout would count as a new shape and be measured again.
+        return tuple(shape_key(value) for value in batch) if any(_holds_tensor(v) for v in batch) else ()
     return ()
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_tensor(v) for v in value)
 
 
 def _count_flash_attn_ops() -> None:
