@@ -14,11 +14,11 @@ of a tagged value on the host is one sync. On CUDA nothing needs tagging: a tens
 (:attr:`HostSyncs.cuda_warnings`).
 
 What counts as a read (one event each, with where it happened): ``_local_scalar_dense`` (``.item()``, ``float()``,
-``int()``, ``bool()``, formatting), ``.tolist()``, ``.numpy()``, ``.cpu()``, a copy into a host tensor, ``nonzero``,
+``int()``, ``bool()``, formatting), ``.tolist()``, ``.numpy()``, ``.cpu()``, ``nonzero``,
 ``masked_select``, boolean-mask indexing, ``unique``, ``repeat_interleave`` without ``output_size``, ``equal``,
-``allclose``, ``bincount``, and ``torch.tensor(values, device=accelerator)`` (a blocking copy from pageable memory).
-A non-blocking copy to the host is not a sync but a race until the host waits; it is listed apart
-(:attr:`HostSyncs.async_host_copies`).
+``allclose``, ``bincount``, and ``torch.tensor(values, device=accelerator)`` (a blocking copy from pageable memory);
+on CUDA also ``.to("cpu")`` and copies into host tensors. A non-blocking copy to the host is not a sync but a race
+until the host waits; it is listed apart (:attr:`HostSyncs.async_host_copies`).
 
 Limits on CPU: ``.to("cpu")`` of a device value cannot be told from a move to the accelerator when the accelerator *is*
 the CPU, so it is treated as a no-op (use ``.cpu()`` for host copies); code that branches on ``device.type == "cuda"``
@@ -262,14 +262,14 @@ class _DispatchCounter(TorchDispatchMode):
         inputs = _tensors((args, kwargs))
         on_device = [self.tags.is_device(t) for t in inputs]
         if any(on_device):
-            self._count(func, args, kwargs, inputs, on_device)
+            self._count(func, args, kwargs, inputs)
         out = func(*args, **kwargs)
         if any(on_device):  # what is computed from a device value is one too (for copy_: the destination)
             for tensor in _tensors(out):
                 self.tags.tag(tensor)
         return out
 
-    def _count(self, func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor], on_device: list[bool]) -> None:
+    def _count(self, func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> None:
         packet = func.overloadpacket
         if func in _READ_OPS:
             self.syncs._record(_READ_OPS[func])
