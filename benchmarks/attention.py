@@ -1,14 +1,18 @@
-"""Attention forward+backward: eager vs each SDPA kernel vs flash-attn, sequence 256 to 8192.
+"""Attention forward+backward: eager vs each SDPA kernel vs flex vs flash-attn, sequence 256 to 8192.
 
 For each sequence length the variants run interleaved (eager, sdpa-flash, sdpa-math, ..., then again in reverse),
 each timed as the median of its repetitions; the speed-up is eager's median over the variant's. Memory: on CUDA the
 peak allocated bytes of the pass; on CPU (no allocator statistics) the bytes the pass keeps for backward, which is
 where attention's O(T^2) score matrix shows up. Variants that cannot run here are listed with the reason.
+``--packed N`` packs N documents of equal length into each row (per-document ``position_ids``): attention must stay
+inside each document, which SDPA does with a varlen kernel (CUDA, fp16/bf16) or a dense mask, flex with a block mask
+and flash-attn with its varlen kernel.
 
 Usage::
 
     python benchmarks/attention.py                                   # CPU: fp32, lengths 256..4096
     python benchmarks/attention.py --lengths 256 1024 2048 4096 8192 --dtype bf16   # on a GPU
+    python benchmarks/attention.py --dtype bf16 --packed 4            # packed rows of 4 documents
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ VARIANTS = {
     "sdpa-efficient": ("sdpa", ["efficient"]),
     "sdpa-cudnn": ("sdpa", ["cudnn"]),
     "sdpa-math": ("sdpa", ["math"]),
+    "flex": ("flex", None),
     "flash_attn": ("flash_attn", None),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,22 +47,36 @@ def make_inputs(args, seq_len: int, device: torch.device) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g).to(device, DTYPES[args.dtype]).requires_grad_() for _ in range(3)]
 
 
+PACKED: dict[str, torch.Tensor] = {}  # {"position_ids": ...} with --packed: every call passes the same tensor
+
+
 def step(qkv: list[torch.Tensor], backend: str, kernels: list[str] | None) -> None:
-    out = vlmfast.attention(*qkv, causal=True, backend=backend, sdpa_kernels=kernels)
+    out = vlmfast.attention(*qkv, causal=True, backend=backend, sdpa_kernels=kernels, **PACKED)
     out.sum().backward()
     for x in qkv:
         x.grad = None
 
 
 def why_not(backend: str, kernels: list[str] | None, qkv: list[torch.Tensor]) -> str | None:
-    reason = BACKENDS[backend].unavailable_reason(qkv[0], AttentionInputs(causal=True, sdpa_kernels=kernels))
+    from vlmfast.attention.documents import PackedDocuments
+
+    documents = PackedDocuments.from_position_ids(PACKED["position_ids"]) if PACKED else None
+    inputs = AttentionInputs(causal=True, sdpa_kernels=tuple(kernels) if kernels else None, documents=documents)
+    reason = BACKENDS[backend].unavailable_reason(qkv[0], inputs)
     if reason is None and kernels:
         try:  # torch refuses a kernel that cannot take these inputs ("No available kernel")
             with torch.no_grad():
-                vlmfast.attention(*(x[:, :, :8] for x in qkv), causal=True, sdpa_kernels=kernels)
+                vlmfast.attention(*qkv, causal=True, sdpa_kernels=kernels, **PACKED)
         except RuntimeError as exc:
             reason = str(exc).splitlines()[0][:160]
     return reason
+
+
+def packed_positions(args, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[batch, T] positions restarting at each of `args.packed` equal documents (the last one takes the rest)."""
+    length = seq_len // args.packed
+    positions = torch.arange(seq_len) - (torch.arange(seq_len) // length).clamp(max=args.packed - 1) * length
+    return positions.expand(args.batch, -1).to(device)
 
 
 def sync(device: torch.device) -> None:
@@ -82,7 +101,8 @@ def memory(qkv, backend, kernels, device) -> dict[str, int]:
         base = torch.cuda.memory_allocated(device)
         step(qkv, backend, kernels)
         return {"peak_bytes_above_inputs": torch.cuda.max_memory_allocated(device) - base}
-    saved = saved_tensor_bytes(lambda: vlmfast.attention(*qkv, causal=True, backend=backend, sdpa_kernels=kernels))
+    saved = saved_tensor_bytes(lambda: vlmfast.attention(*qkv, causal=True, backend=backend, sdpa_kernels=kernels,
+                                                         **PACKED))
     return {"saved_for_backward_bytes": saved}
 
 
@@ -97,6 +117,7 @@ def main() -> None:
     parser.add_argument("--reps-per-round", type=int, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1: less CPU jitter)")
+    parser.add_argument("--packed", type=int, default=0, help="documents per row (0: one unpacked sequence)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -105,6 +126,9 @@ def main() -> None:
     results, skipped = {}, {}
     for seq_len in args.lengths:
         qkv = make_inputs(args, seq_len, device)
+        PACKED.clear()
+        if args.packed:
+            PACKED["position_ids"] = packed_positions(args, seq_len, device)
         runnable = {}
         for name, (backend, kernels) in VARIANTS.items():
             reason = why_not(backend, kernels, qkv)
@@ -132,12 +156,13 @@ def main() -> None:
         "benchmark": "attention",
         "what": "causal self-attention forward+backward, median per variant, interleaved rounds",
         "torch_threads": torch.get_num_threads(), "batch": args.batch, "heads": args.heads,
-        "head_dim": args.head_dim, "dtype": args.dtype,
+        "head_dim": args.head_dim, "dtype": args.dtype, "packed_documents_per_row": args.packed,
         "repeats": args.repeats, "reps_per_round": args.reps_per_round,
         "results": results, "not_run": skipped,
     }
     print(f"not run here: {skipped}")
-    print(f"written to {write_result('attention', device, result, args.out)}")
+    name = f"attention_packed{args.packed}" if args.packed else "attention"
+    print(f"written to {write_result(name, device, result, args.out)}")
 
 
 if __name__ == "__main__":

@@ -176,26 +176,54 @@ def test_expandable_segments_is_set_before_cuda_starts(monkeypatch):
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
 
 
+class _LazyActivations(torch.utils.data.Dataset):
+    """[seq, dim] float32 samples made on demand (a stored data set of this size would take GiBs of host memory)."""
+
+    def __init__(self, n: int, seq: int, dim: int) -> None:
+        self.n, self.seq, self.dim = n, seq, dim
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor]:
+        return (torch.randn(self.seq, self.dim, generator=torch.Generator().manual_seed(i)),)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_real_cuda_oom_is_survived():
-    """Cap the process at a small memory fraction so micro-batch 64 of a wide model really runs out of memory."""
+    """A real allocator OOM in forward/backward, where the fallback retries: sized so it cannot happen elsewhere.
+
+    4 Linear(4096, 4096) = 67M parameters: weights, gradients and AdamW's two moments take 16 bytes each (1.0 GiB),
+    plus 0.13 GiB of bf16 weight copies under autocast. Saved activations are ~88 MiB per sample of [1024, 4096]
+    (fp32 input 16, its bf16 cast 8, four bf16 layer inputs 32, the fp32 output and its square 32): 5.5 GiB at
+    micro-batch 64, 0.7 GiB at 8. The cap leaves 2 GiB above the model states, so micro-batch 64 must run out of
+    memory in forward/backward and a smaller one fits together with the optimizer step's states (an OOM in
+    optimizer.step() would escape fit(): the fallback does not cover it).
+    """
+    dim, seq, layers = 4096, 1024, 4
+    params = layers * (dim * dim + dim)
+    cap = 16 * params + layers * dim * dim * 2 + 2 * 2**30
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, 3 * 2**30 / total))  # ~3 GiB for this process
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    torch.cuda.reset_peak_memory_stats()
+    ooms_before = torch.cuda.memory_stats().get("num_ooms", 0)
     try:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(4)])
-        data = torch.utils.data.TensorDataset(torch.randn(256, 64, 8192))
+        model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
 
         def loss_fn(model, batch):
             return model(batch[0]).float().pow(2).mean()
 
         train_spec = TrainSpec(max_steps=3, batch_size=64, micro_batch_size=64, device="cuda", precision="bf16",
                                oom={"enabled": True}, log={"progress": "off"})
-        trainer = OptimizedTrainer(model, data, train_spec, loss_fn=loss_fn)
-        trainer.fit()
+        trainer = OptimizedTrainer(model, _LazyActivations(192, seq, dim), train_spec, loss_fn=loss_fn)
+        trainer.fit()  # the optimizer steps (and their first AdamW states) fit under the cap
         assert trainer.state.micro_batch_size < 64 and trainer.micro_batching.events
-        assert torch.cuda.memory_stats()["num_ooms"] >= 1  # the allocator really failed, nothing simulated
+        assert trainer.micro_batching.events[0]["reason"] == "out of memory"
+        assert torch.cuda.memory_stats()["num_ooms"] > ooms_before  # the allocator really failed, nothing simulated
+        assert torch.cuda.max_memory_reserved() <= cap
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

@@ -5,6 +5,10 @@ Usage::
     with simulated_oom(4) as oom:         # any top-level forward on > 4 samples raises torch.OutOfMemoryError
         trainer.fit()
     print(oom.count)
+    with simulated_oom(phase="optimizer"):   # every optimizer.step() runs out of memory (AdamW's first states)
+        ...
+    with count_host_syncs(model) as syncs:   # host reads of device values (see vlmfast.profiling.host_syncs)
+        ...
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from vlmfast.data.batch import batch_size_of
 
@@ -35,20 +40,26 @@ class SimulatedOOM:
 
 @contextmanager
 def simulated_oom(
-    max_micro_batch_size: int,
+    max_micro_batch_size: int = 0,
     *,
-    phase: Literal["forward", "backward"] = "forward",
+    phase: Literal["forward", "backward", "optimizer"] = "forward",
     ranks: Iterable[int] | None = None,
 ) -> Iterator[SimulatedOOM]:
     """Make the outermost module call on more than `max_micro_batch_size` samples raise `torch.OutOfMemoryError`.
 
     `phase="forward"` raises when that forward returns; `phase="backward"` raises when the gradient reaches its
-    output during backward. `ranks` limits it to some torch.distributed ranks (default: every process). Works on
-    CPU and GPU through torch's global module hooks (no patching); only the outermost call is checked, so inner
+    output during backward; `phase="optimizer"` raises in every ``optimizer.step()`` instead, whatever the batch
+    (an OOM outside forward/backward, like AdamW allocating its states on the first step; `max_micro_batch_size` is
+    ignored). `ranks` limits it to some torch.distributed ranks (default: every process). Works on CPU and GPU
+    through torch's global module and optimizer hooks (no patching); only the outermost call is checked, so inner
     modules that reshape the batch never trigger it.
     """
     state = SimulatedOOM(max_micro_batch_size, phase)
     active = ranks is None or _rank() in set(ranks)
+    if phase == "optimizer":
+        with _oom_in_optimizer_step(state, active):
+            yield state
+        return
     depth = threading.local()
 
     def before(module: nn.Module, args: Any) -> None:
@@ -72,6 +83,20 @@ def simulated_oom(
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def _oom_in_optimizer_step(state: SimulatedOOM, active: bool) -> Iterator[None]:
+    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if active:
+            state.count += 1
+            raise torch.OutOfMemoryError(SIMULATED_MESSAGE.replace("simulated", "simulated in optimizer.step"))
+
+    handle = register_optimizer_step_pre_hook(before_step)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _raise_in_backward(state: SimulatedOOM) -> None:
@@ -100,3 +125,8 @@ def _first_grad_tensor(output: Any) -> torch.Tensor | None:
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+from vlmfast.profiling.host_syncs import HostSync, HostSyncs, count_host_syncs  # noqa: E402  (re-exported)
+
+__all__ = ["SIMULATED_MESSAGE", "HostSync", "HostSyncs", "SimulatedOOM", "count_host_syncs", "simulated_oom"]

@@ -175,8 +175,40 @@ def sdpa_kernel_context(kernels: tuple[str, ...] | list[str]) -> Any:
 
 def _sdpa_reason(q: Tensor, inputs: AttentionInputs) -> str | None:
     kernels = inputs.sdpa_kernels
-    if kernels and not q.is_cuda and set(kernels) <= {"efficient", "cudnn"}:
-        return f"SDPA kernels {list(kernels)} exist only on CUDA; on CPU allow 'flash' or 'math'"
+    if not kernels:
+        return None
+    if not q.is_cuda:
+        if set(kernels) <= {"efficient", "cudnn"}:
+            return f"SDPA kernels {list(kernels)} exist only on CUDA; on CPU allow 'flash' or 'math'"
+        return None
+    refusals = {k: _cuda_kernel_refusal(k, q, inputs) for k in kernels}
+    if all(refusals.values()):  # torch would only say "No available kernel. Aborting execution."
+        why = "; ".join(f"{k}: {reason}" for k, reason in refusals.items())
+        return (f"attention.sdpa_kernels {list(kernels)}: no allowed kernel can run these inputs ({why}). Allow "
+                "'efficient' or 'math' as well, or use precision bf16/fp16 (and no dense mask) for 'flash'/'cudnn'")
+    return None
+
+
+def _cuda_kernel_refusal(kernel: str, q: Tensor, inputs: AttentionInputs) -> str | None:
+    """Why torch's CUDA SDPA would refuse `kernel` for these inputs (the checks in aten/src/ATen/native/transformers/
+    cuda/sdp_utils.cpp: can_use_flash_attention = check_for_attn_mask + check_head_dim_size_flash +
+    check_dtypes_low_precision; can_use_cudnn_attention = check_dtypes_low_precision + shapes; efficient takes fp32
+    and masks). Only what is certain from the inputs; hardware and layout checks are left to torch."""
+    dense_mask = inputs.attn_mask is not None or (inputs.documents is not None and not _uses_varlen(q, inputs))
+    low = q.dtype in _LOW_PRECISION
+    dtype = str(q.dtype).removeprefix("torch.")
+    if kernel == "flash":
+        if not low:
+            return f"needs fp16/bf16 inputs, got {dtype}"
+        if dense_mask:
+            return "takes no dense attention mask" + (" (packed documents need one here)" if inputs.attn_mask is None
+                                                      else "")
+        if q.shape[-1] > 256:
+            return f"head dim {q.shape[-1]} > 256"
+    if kernel == "cudnn" and not low:
+        return f"needs fp16/bf16 inputs, got {dtype}"
+    if kernel == "efficient" and q.dtype not in (*_LOW_PRECISION, torch.float32):
+        return f"needs fp16/bf16/fp32 inputs, got {dtype}"
     return None
 
 
@@ -185,14 +217,34 @@ def _sdpa_reason(q: Tensor, inputs: AttentionInputs) -> str | None:
 
 @functools.cache
 def _compiled_flex() -> Callable[..., Tensor]:
+    """flex_attention compiled once for all shapes. ``dynamic=False`` compiled a graph per sequence length and, past
+    dynamo's recompile limit, silently ran the unfused path that materialises the scores; ``dynamic=None`` (automatic
+    dynamic) recompiles once when a size changes, with that size symbolic from then on."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=None)
+
+
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., Any]:
+    """``torch.compile(create_block_mask)``: what torch 2.13 recommends over its deprecated ``_compile=True`` (the
+    uncompiled version materialises the [B, H, Q, KV] mask to find the blocks, per forward)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=None)
+
+
+def block_mask_for(mask_mod: Callable[..., Tensor], b: int | None, q_len: int, k_len: int,
+                   device: torch.device | str) -> Any:
+    """A flex ``BlockMask``: built by the compiled ``create_block_mask`` on CUDA, eagerly elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    build = _compiled_create_block_mask() if torch.device(device).type == "cuda" else create_block_mask
+    return build(mask_mod, b, None, q_len, k_len, device=device)
 
 
 def flex_attention(q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs) -> Tensor:
     """``flex_attention`` with a ``BlockMask`` for causal / documents / a boolean user mask."""
-    from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as eager_flex
 
     b, _, t, _ = q.shape
@@ -206,7 +258,7 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs) -> 
                 allowed = allowed & (docs.ids[bi, qi] == docs.ids[bi, ki])
             return allowed & (qi >= ki) if inputs.causal else allowed
 
-        block_mask = create_block_mask(mask_mod, b, None, t, k.shape[-2], device=q.device)
+        block_mask = block_mask_for(mask_mod, b, t, k.shape[-2], q.device)
     elif inputs.documents is not None:
         block_mask = inputs.documents.block_mask(inputs.causal)
     elif inputs.causal:
@@ -221,9 +273,7 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs) -> 
 
 @functools.lru_cache(maxsize=16)
 def _causal_block_mask(q_len: int, k_len: int, device: str) -> Any:
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return create_block_mask(lambda b, h, q, kv: q >= kv, None, None, q_len, k_len, device=device)
+    return block_mask_for(lambda b, h, q, kv: q >= kv, None, q_len, k_len, device)
 
 
 def _flex_reason(q: Tensor, inputs: AttentionInputs) -> str | None:
@@ -243,7 +293,9 @@ def _flex_reason(q: Tensor, inputs: AttentionInputs) -> str | None:
 # ---------------------------------------------------------------------------------------------------- flash-attn
 
 
+@functools.cache
 def flash_attn_installed() -> bool:
+    """Whether the flash-attn package can be imported (looked up once: ~0.1 ms a call was paid per attention call)."""
     return importlib.util.find_spec("flash_attn") is not None
 
 

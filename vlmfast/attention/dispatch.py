@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -110,14 +112,38 @@ def _documents(documents: PackedDocuments | None, position_ids: Tensor | None, c
                q: Tensor) -> PackedDocuments | None:
     if documents is not None:
         return documents.to(q.device)
-    if position_ids is not None:
-        return PackedDocuments.from_position_ids(position_ids.to(q.device))
-    if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(f"cu_seqlens describes one flattened row (batch 1), got batch {q.shape[0]}: "
-                             "pass per-row position_ids instead")
-        return PackedDocuments.from_cu_seqlens(cu_seqlens.to(q.device), q.shape[-2])
-    return None
+    if position_ids is None and cu_seqlens is None:
+        return None
+    if cu_seqlens is not None and position_ids is None and q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens describes one flattened row (batch 1), got batch {q.shape[0]}: "
+                         "pass per-row position_ids instead")
+    return _documents_cache.get(position_ids, cu_seqlens, q)
+
+
+class _DocumentsCache:
+    """The documents of the last ``position_ids`` / ``cu_seqlens`` tensor seen: a model whose every layer passes the
+    same tensor builds them once per forward, not once per layer (the tensor's identity and version decide)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._source: weakref.ref[Tensor] | None = None
+        self._documents: PackedDocuments | None = None
+
+    def get(self, position_ids: Tensor | None, cu_seqlens: Tensor | None, q: Tensor) -> PackedDocuments | None:
+        source = position_ids if position_ids is not None else cu_seqlens
+        key = (position_ids is not None, source._version, q.device, q.shape[-2])
+        if self._source is not None and self._source() is source and self._key == key:
+            return self._documents
+        if position_ids is not None:
+            documents = PackedDocuments.from_position_ids(position_ids.to(q.device))
+        else:
+            documents = PackedDocuments.from_cu_seqlens(cu_seqlens.to(q.device), q.shape[-2])
+        if not torch.compiler.is_compiling():  # traced code keeps no Python-side cache
+            self._key, self._source, self._documents = key, weakref.ref(source), documents
+        return documents
+
+
+_documents_cache = _DocumentsCache()
 
 
 def resolve_backend(requested: str, q: Tensor, inputs: AttentionInputs) -> tuple[str, str]:
@@ -134,6 +160,24 @@ def resolve_backend(requested: str, q: Tensor, inputs: AttentionInputs) -> tuple
 
 
 def _auto(q: Tensor, inputs: AttentionInputs) -> tuple[str, str]:
+    """The first backend of AUTO_ORDER that can run: decided once per kind of input (device, dtype, head size,
+    mask, documents, dropout, kernels), not on every call (each decision probes the backends)."""
+    if torch.compiler.is_compiling():  # traced: the decision is baked into the graph anyway
+        return _decide_auto(q, inputs)
+    mask = inputs.attn_mask
+    key = (q.device.type, q.dtype, q.shape[-1], q.is_cuda and q.shape[-2] >= FLEX_PACKED_MIN_LEN,
+           None if mask is None else mask.dtype, inputs.documents is not None, inputs.dropout_p > 0,
+           inputs.sdpa_kernels, inputs.enable_gqa, torch.is_grad_enabled() and q.requires_grad)
+    decision = _auto_decisions.get(key)
+    if decision is None:
+        decision = _auto_decisions[key] = _decide_auto(q, inputs)
+    return decision
+
+
+_auto_decisions: dict[tuple[Any, ...], tuple[str, str]] = {}
+
+
+def _decide_auto(q: Tensor, inputs: AttentionInputs) -> tuple[str, str]:
     skipped = []
     for name in AUTO_ORDER:
         why_not = BACKENDS[name].unavailable_reason(q, inputs)

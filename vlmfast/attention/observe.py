@@ -28,6 +28,7 @@ _KERNEL_OPS = {
     "_scaled_dot_product_cudnn_attention": "sdpa-cudnn",
     "_scaled_dot_product_attention_math": "sdpa-math",
     "_varlen_attn": "torch-varlen",
+    "flashattn::": "flash_attn",  # flash_attn_interface.py registers its custom ops as flashattn::_flash_attn_*
     "flash_attn::": "flash_attn",
     "flex_attention": "flex",
 }

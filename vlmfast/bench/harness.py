@@ -30,6 +30,7 @@ from vlmfast.bench.configs import START, BenchConfig, skip_reason
 from vlmfast.bench.runners import RunResult
 from vlmfast.bench.workload import Workload
 from vlmfast.profiling import peak_tflops
+from vlmfast.strategies.tf32 import restore_tf32_state, tf32_state
 
 __all__ = ["MUST_SHOW", "check_must_show", "run_comparison", "summarise_run"]
 
@@ -81,11 +82,14 @@ def _quantile(ordered: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+_TF32_AT_START = tf32_state()  # torch's defaults (or the user's settings) before any benchmark run
+
+
 def _reset_process_state(threads: int) -> None:
-    """What one run may leave behind for the next: TF32 flags (vlmfast's tf32 sets them), dynamo's caches (their
+    """What one run may leave behind for the next: TF32 settings (vlmfast's tf32 and transformers' TrainingArguments
+    set them; restored through torch's new API only, see vlmfast.strategies.tf32), dynamo's caches (their
     recompile limit would silently send later compiled runs to eager), the thread count, cached CUDA memory."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = True  # torch's default
+    restore_tf32_state(_TF32_AT_START)
     torch._dynamo.reset()
     torch.set_num_threads(threads)
     if torch.cuda.is_available():

@@ -128,6 +128,7 @@ def _cuda_budget(budget: int | None, device: torch.device) -> Iterator[None]:
         yield
         return
     total = torch.cuda.get_device_properties(device).total_memory
+    free_memory()  # cached segments of the previous run count against the cap: start from an empty cache
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     try:
         yield
@@ -143,9 +144,13 @@ def _budget(workload: Workload, samples: _LongestSamples, device: torch.device) 
         free_memory()
         torch.cuda.reset_peak_memory_stats(device)
         _cuda_probe(workload, plain, samples, device)(workload.batch_size)
-        peak = torch.cuda.max_memory_allocated(device)
+        # The cap (set_per_process_memory_fraction) limits what the caching allocator *reserves* from the device
+        # (c10/cuda/CUDACachingAllocator.cpp checks allowed_memory_maximum against reserved bytes), so the budget
+        # is the plain step's peak reserved memory: its peak allocated memory is lower by the allocator's rounding
+        # and fragmentation, and capping at that would make the plain batch itself fail.
+        peak = torch.cuda.max_memory_reserved(device)
         free_memory()
-        return int(peak * 1.02)  # 2 %: allocator rounding, so the plain batch itself still fits
+        return int(peak * 1.02)  # 2 %: segment-size rounding of a fresh run, so the plain batch itself still fits
     model = _strategy_model(workload, plain, device)
     batch = samples.batch(workload.batch_size)
     return STATE_BYTES_PER_PARAM * workload.num_parameters + saved_tensor_bytes(lambda: model(**batch).loss)

@@ -32,6 +32,7 @@ from vlmfast.bench.workload import Workload, evaluate_loss
 from vlmfast.data.batch import move_to_device
 from vlmfast.memory.stats import GB
 from vlmfast.strategies.precision import autocast_context
+from vlmfast.strategies.tf32 import restore_tf32_state, set_tf32, tf32_state
 
 __all__ = ["RunResult", "Settings", "accelerate_loop", "fabric_loop", "hand_written", "hf_trainer", "vlmfast_run"]
 
@@ -178,12 +179,14 @@ def _fused_adamw(model: nn.Module, workload: Workload, device: torch.device) -> 
 
 @contextlib.contextmanager
 def _tf32(enabled: bool) -> Iterator[None]:
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
+    """TF32 on for the block (through the API that neither transformers nor Lightning trips over), then back."""
+    saved = tf32_state()
+    if enabled:
+        set_tf32(True)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        restore_tf32_state(saved)
 
 
 def hand_written(workload: Workload, settings: Settings, device: torch.device) -> RunResult:
@@ -384,6 +387,7 @@ def hf_trainer(workload: Workload, settings: Settings, device: torch.device) -> 
             return loss
 
     _reset_accelerate_state()
+    _fresh_transformers_tf32()
     recorder = StepRecorder(workload, device)
     with MemoryWatch(device) as memory, _tf32(settings.tf32), tempfile.TemporaryDirectory() as out:
         model = workload.build_model(settings.attention)
@@ -395,6 +399,18 @@ def hf_trainer(workload: Workload, settings: Settings, device: torch.device) -> 
     return recorder.result(model, memory, sampler=args.train_sampling_strategy, bf16=args.bf16,
                            torch_compile=args.torch_compile, auto_find_batch_size=args.auto_find_batch_size,
                            dataloader_num_workers=args.dataloader_num_workers)
+
+
+def _fresh_transformers_tf32() -> None:
+    """transformers' enable_tf32 is lru_cached: without this it sets TF32 in the first HF run of the process only,
+    and later rounds of the same configuration would run without the TF32 it asked for."""
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        return
+    cache_clear = getattr(getattr(import_utils, "enable_tf32", None), "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
 
 
 def _training_arguments(workload: Workload, settings: Settings, device: torch.device, out: str) -> Any:

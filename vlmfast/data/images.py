@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vlmfast.attention.documents import host_to_device
 from vlmfast.models.shapes import VLMCollator
 
 
@@ -48,19 +49,34 @@ def preprocess_images(
         raise ValueError("preprocess_images got no images")
     target = (size, size) if isinstance(size, int) else tuple(size)
     device = torch.device(device) if device is not None else images[0].device
-    channels = images[0].shape[0]
-    out = torch.empty((len(images), channels, *target), dtype=dtype, device=device)
-    mean_t = torch.tensor(mean, dtype=dtype, device=device).view(1, -1, 1, 1)
-    std_t = torch.tensor(std, dtype=dtype, device=device).view(1, -1, 1, 1)
-    for (height, width), indices in group_by_size(images).items():
-        stack = torch.stack([images[i] for i in indices]).to(device, non_blocking=True)
+    # Python values reach the device through pinned memory and non-blocking copies: torch.tensor(..., device=cuda)
+    # copies from pageable memory, which makes the host wait (CUDA's "API synchronization behavior" for
+    # cudaMemcpyAsync from pageable memory).
+    mean_t = host_to_device(list(mean), device, dtype).view(1, -1, 1, 1)
+    std_t = host_to_device(list(std), device, dtype).view(1, -1, 1, 1)
+    groups = group_by_size(images)
+    out = None if len(groups) == 1 else torch.empty((len(images), images[0].shape[0], *target), dtype=dtype,
+                                                    device=device)
+    for (height, width), indices in groups.items():
+        stack = _to_device(torch.stack([images[i] for i in indices]), device)
         scale = 255.0 if stack.dtype == torch.uint8 else 1.0
         stack = stack.to(dtype).div_(scale)
         if (height, width) != target:
             # Antialiasing matters when downscaling: without it small details alias away (as VLMCollator does).
             stack = F.interpolate(stack, size=target, mode="bilinear", antialias=True, align_corners=False)
-        out[torch.tensor(indices, device=device)] = stack.sub_(mean_t).div_(std_t)
+        stack = stack.sub_(mean_t).div_(std_t)
+        if out is None:  # one size: the batch is already in order, no scatter
+            return stack
+        out.index_copy_(0, host_to_device(indices, device), stack)
     return out
+
+
+def _to_device(stack: Tensor, device: torch.device) -> Tensor:
+    """A host stack on `device`; on CUDA copied from pinned memory so the copy is asynchronous (torch.stack's result
+    is pageable even when the images were pinned)."""
+    if device.type == "cuda" and stack.device.type == "cpu" and not stack.is_pinned():
+        stack = stack.pin_memory()
+    return stack.to(device, non_blocking=True)
 
 
 @dataclass

@@ -23,8 +23,9 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -112,6 +113,7 @@ class PackedBatch:
 
     tensors: dict[str, Tensor]
     rows: list[list[int]]
+    document_lengths: list[list[int]] = field(default_factory=list)  # tokens of each document, per row
 
 
 def pack_documents(
@@ -138,7 +140,7 @@ def pack_documents(
     for key in image_keys:
         if any(key in d for d in docs):
             tensors.update(_pack_images(docs, rows, key, image_layout))
-    return PackedBatch(tensors, rows)
+    return PackedBatch(tensors, rows, [[lengths[i] for i in row] for row in rows])
 
 
 def _with_placeholders(doc: Document, image_tokens: int, image_keys: Sequence[str], shift_labels: bool,
@@ -228,17 +230,24 @@ class PackingCollator:
     pad_id: int = 0
     ignore_index: int = -100
     pad_to_max_tokens: bool = False
+    # Also return ``document_lengths`` (per row, Python ints): the documents as host values, so a model that takes
+    # them (the tiny VLM) never reads its document boundaries back from the GPU. A per-row list: micro-batch
+    # splitting slices it with the rows.
+    document_lengths: bool = False
 
-    def __call__(self, samples: list[Any]) -> dict[str, Tensor]:
+    def __call__(self, samples: list[Any]) -> dict[str, Any]:
         if self.collate_fn is not None:
             docs = unpad_batch(self.collate_fn(samples), self.image_keys)
         else:
             docs = [dict(s) for s in samples]
-        return pack_documents(
+        packed = pack_documents(
             docs, self.max_tokens, algorithm=self.algorithm, image_tokens=self.image_tokens,
             image_keys=self.image_keys, image_layout=self.image_layout, shift_labels=self.shift_labels,
             pad_id=self.pad_id, ignore_index=self.ignore_index, pad_to_max_tokens=self.pad_to_max_tokens,
-        ).tensors
+        )
+        if self.document_lengths:
+            return {**packed.tensors, "document_lengths": packed.document_lengths}
+        return packed.tensors
 
 
 def build_packing_collator(
@@ -254,10 +263,12 @@ def build_packing_collator(
     image_tokens = spec.image_tokens
     if image_tokens is None:
         image_tokens = int(getattr(unwrap_model(model), "prepended_image_tokens", 0))
+    forward = unwrap_model(model).forward
     return PackingCollator(
         max_tokens=spec.max_tokens, collate_fn=collate_fn, algorithm=spec.algorithm, image_tokens=image_tokens,
         image_layout=spec.image_layout, shift_labels=shift_labels, pad_id=int(getattr(collate_fn, "pad_id", 0)),
         ignore_index=ignore_index, pad_to_max_tokens=spec.pad_to_max_tokens,
+        document_lengths="document_lengths" in inspect.signature(forward).parameters,
     )
 
 

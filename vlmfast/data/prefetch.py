@@ -1,9 +1,11 @@
 """Device prefetch: load and copy the next batch to the device while the current step computes.
 
 On CUDA the copy (and an optional on-device transform such as batched image resizing) runs on a side stream,
-``non_blocking`` from pinned host memory; before a batch is handed out the compute stream waits for that side
-stream, and every tensor of the batch is marked with ``record_stream`` so the caching allocator does not reuse its
-memory while the compute stream still reads it. On CPU there is no stream.
+``non_blocking`` from pinned host memory, and an event is recorded on that stream right after it. Before a batch is
+handed out the compute stream waits for *that batch's* event only (``wait_stream`` would also wait for the copies of
+the batches loaded after it, which are already queued on the side stream), and every tensor of the batch is marked
+with ``record_stream`` so the caching allocator does not reuse its memory while the compute stream still reads it
+(torch.Tensor.record_stream docs: memory allocated on one stream and used on another). On CPU there is no stream.
 
 The next batch is loaded by one background thread, so collation (or receiving a batch from DataLoader workers,
 which costs a round trip per tensor) leaves the step's critical path; PIL decoding and torch ops release the GIL,
@@ -60,7 +62,7 @@ class DevicePrefetcher:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vlmfast-prefetch") if prefetch and background \
             else None
         self.depth = depth if prefetch else 0  # batches loaded ahead: more than one absorbs jitter in load times
-        self._pending: deque[Future | tuple[Any, Any]] = deque()
+        self._pending: deque[Future | tuple[Any, Any, Any]] = deque()
         self._state: dict[str, Any] | None = None  # the source's position after the batches handed out
         self._warned_unpinned = False
 
@@ -74,33 +76,42 @@ class DevicePrefetcher:
         return getattr(self.source, name)
 
     def __next__(self) -> Any:
-        batch, state = self._collect() if self._pending else self._load()
+        batch, state, copied = self._collect() if self._pending else self._load()
         if batch is _EXHAUSTED:
             raise StopIteration
-        if self.stream is not None:
+        if copied is not None:
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self.stream)
-            recursively_apply(lambda t: t.record_stream(compute), batch, error_on_other_type=False)
+            compute.wait_event(copied)  # this batch's copies only, not the next batches' queued behind them
+            self._used_on(batch, compute)
         self._state = state
         while len(self._pending) < self.depth:  # in flight while the caller computes on `batch`
             self._pending.append(self._executor.submit(self._load) if self._executor is not None else self._load())
         return batch
 
-    def _collect(self) -> tuple[Any, Any]:
+    def _collect(self) -> tuple[Any, Any, Any]:
         pending = self._pending.popleft()
         return pending.result() if isinstance(pending, Future) else pending
 
-    def _load(self) -> tuple[Any, dict[str, Any] | None]:
+    def _load(self) -> tuple[Any, dict[str, Any] | None, Any]:
+        """(device batch, source position after it, the side-stream event its copies complete at, or None)."""
         try:
             host_batch = next(self.source)
         except StopIteration:
-            return _EXHAUSTED, None
+            return _EXHAUSTED, None, None
         state = self._source_state()  # read here: the main thread never touches the source while a load runs
         self._check_pinned(host_batch)
         if self.stream is None:
-            return self._to_device(host_batch), state
+            return self._to_device(host_batch), state, None
         with torch.cuda.stream(self.stream):
-            return self._to_device(host_batch), state
+            batch = self._to_device(host_batch)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return batch, state, copied
+
+    @staticmethod
+    def _used_on(batch: Any, stream: Any) -> None:
+        """Tell the caching allocator the batch's memory (allocated on the side stream) is in use on `stream`."""
+        recursively_apply(lambda t: t.record_stream(stream), batch, error_on_other_type=False)
 
     def close(self) -> None:
         """Finish the loads in flight, stop the background thread, and close the host loader (its workers)."""

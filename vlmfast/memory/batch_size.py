@@ -11,14 +11,16 @@ running one step on n samples.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from vlmfast.engines.collectives import any_rank
-from vlmfast.strategies.oom import free_memory, is_oom_error
+from vlmfast.memory.oom_errors import free_memory, is_oom_error
 
 log = logging.getLogger(__name__)
 
@@ -93,3 +95,35 @@ def _probe_fits(probe: Callable[[int], None], n: int, safety_margin: float, devi
         total = torch.cuda.get_device_properties(device).total_memory
         ok = torch.cuda.max_memory_allocated(device) <= safety_margin * total
     return not any_rank(not ok)
+
+
+def snapshot_to_host(state: Any) -> Any:
+    """A host copy of every tensor in a (nested) state dict, complete when this returns.
+
+    Each tensor is copied with a blocking ``.to("cpu", copy=True)``: a device-to-host copy with ``non_blocking=True``
+    returns before the data has arrived (the host buffer is only valid after a synchronisation; torch's
+    ``Tensor.to`` docs), so a snapshot taken that way and then deep-copied could hold half-written values. ``copy=True``
+    also makes a CPU tensor a separate copy (``.to`` would alias it). Non-tensor leaves are deep-copied.
+    Usage: ``saved = snapshot_to_host(model.state_dict()); ...; model.load_state_dict(saved)``
+    """
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)  # blocking: complete on return
+    if isinstance(state, dict):
+        return type(state)((key, snapshot_to_host(value)) for key, value in state.items())
+    if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
+        return type(state)(snapshot_to_host(value) for value in state)
+    return copy.deepcopy(state)
+
+
+def restore_from_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+                      optimizer_state: dict[str, Any]) -> None:
+    """Put a :func:`snapshot_to_host` of a model and its optimizer back, exactly.
+
+    ``load_state_dict`` copies into the existing parameters (the optimizer keeps pointing at them) and moves the
+    optimizer's states to each parameter's device (``Optimizer._process_value_according_to_param_policy``, which keeps
+    ``step`` on the host unless the optimizer is fused or capturable), so the step after the search is the one
+    that would have run without it.
+    Usage: ``restore_from_host(model, optimizer, saved_model, saved_optimizer)``
+    """
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)

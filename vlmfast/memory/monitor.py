@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import time
 import warnings
 from collections import Counter
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vlmfast.callbacks import Callback, OptimizedTrainer
+from vlmfast.memory.allocator import OOMSnapshots
 from vlmfast.memory.leaks import LeakDetector, LeakWarning, TensorKind, live_tensor_census, tensor_growth
 from vlmfast.memory.stats import GB, memory_stats
 from vlmfast.spec import MemorySpec
@@ -73,6 +75,7 @@ class MemoryMonitor(Callback):
                                       self.spec.leak_threshold_mb_per_step) if self.spec.leak_check else None)
         self._census: tuple[int, Counter[TensorKind]] | None = None
         self._last_step = 0
+        self.oom_snapshots: OOMSnapshots | None = None  # the allocator's state at an OOM, kept by its observer
         self._recording = False
         self._write_files = True
 
@@ -112,6 +115,8 @@ class MemoryMonitor(Callback):
         # Every allocation and free (with its stack) goes into a ring buffer that dump_snapshot writes out.
         torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES, device=device)
         self._recording = True
+        self.oom_snapshots = OOMSnapshots()  # the OOM handler runs after empty_cache: snapshot at the failure
+        self.oom_snapshots.attach()
 
     def observe(self, step: int, stats: dict[str, float] | None = None) -> LeakWarning | None:
         """Record one reading (``memory_stats`` when `stats` is None) and return a leak warning if one is due."""
@@ -133,6 +138,8 @@ class MemoryMonitor(Callback):
         if self._recording:
             torch.cuda.memory._record_memory_history(enabled=None)
             self._recording = False
+        if self.oom_snapshots is not None:
+            self.oom_snapshots.detach()
         if not (self.spec.timeline_plot and self.log_dir is not None and self.timeline and self._write_files):
             return None
         from vlmfast.memory.plots import plot_memory_timeline
@@ -151,7 +158,9 @@ class MemoryMonitor(Callback):
         """Write the CUDA allocator snapshot (open it at https://pytorch.org/memory_viz); None on CPU.
 
         Meant for the OOM handler: with ``record_history`` on, the snapshot shows every allocation and its stack
-        leading up to the failure. `path` defaults to ``log_dir/memory_snapshot.pickle``.
+        leading up to the failure. When an OOM happened since the last call, the snapshot written is the one the
+        allocator's OOM observer took at the failure (:class:`vlmfast.memory.allocator.OOMSnapshots`), not the
+        state after the handler freed memory. `path` defaults to ``log_dir/memory_snapshot.pickle``.
         """
         device = self._device()
         if device.type != "cuda":
@@ -163,9 +172,15 @@ class MemoryMonitor(Callback):
             path = self.log_dir / "memory_snapshot.pickle"
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
+        at_failure = self.oom_snapshots.take() if self.oom_snapshots is not None else None
+        if at_failure is not None:
+            with path.open("wb") as f:  # the format torch.cuda.memory._dump_snapshot writes
+                pickle.dump(at_failure, f)
+        else:
+            torch.cuda.memory._dump_snapshot(str(path))
         history = "" if self._recording else " (segments only: set memory.record_history for allocation stacks)"
-        log.warning("CUDA memory snapshot written to %s%s; open it at %s", path, history, SNAPSHOT_VIEWER)
+        when = " taken at the out-of-memory failure" if at_failure is not None else ""
+        log.warning("CUDA memory snapshot%s written to %s%s; open it at %s", when, path, history, SNAPSHOT_VIEWER)
         return path
 
     # ---- internals --------------------------------------------------------------------------------------------

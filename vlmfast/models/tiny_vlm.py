@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlmfast.attention.dispatch import ScaledDotProductAttention
-from vlmfast.attention.documents import PackedDocuments
+from vlmfast.attention.documents import PackedDocuments, host_to_device
 from vlmfast.data.packing import IMAGE_PLACEHOLDER_ID  # where packed rows put a sample's image tokens
 from vlmfast.models.shapes import ShapesCaptionDataset, ShapesTokenizer, VLMCollator
 
@@ -237,14 +237,18 @@ class LanguageModel(nn.Module):
         self.norm = nn.LayerNorm(c.text_dim)
         self.lm_head = nn.Linear(c.text_dim, c.vocab_size, bias=False)
 
-    def forward(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None) -> Tensor:
+    def forward(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None,
+                document_lengths: list[list[int]] | None = None) -> Tensor:
         """Logits [B, T - logits_from, vocab] for positions ``logits_from`` onwards.
 
         ``position_ids`` [B, T] that restart at 0 mark packed documents: attention stays inside each.
+        ``document_lengths`` (per row, on the host, from vlmfast's packing collator) describes the same documents
+        without any read from the device.
         """
-        return self.lm_head(self.hidden_states(inputs_embeds, logits_from, position_ids))
+        return self.lm_head(self.hidden_states(inputs_embeds, logits_from, position_ids, document_lengths))
 
-    def hidden_states(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None) -> Tensor:
+    def hidden_states(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None,
+                      document_lengths: list[list[int]] | None = None) -> Tensor:
         """The final (normed) hidden states [B, T - logits_from, dim]: what ``lm_head`` turns into logits."""
         t = inputs_embeds.shape[1]
         max_positions = self.embed_positions.num_embeddings
@@ -255,10 +259,14 @@ class LanguageModel(nn.Module):
             positions = torch.arange(t, device=inputs_embeds.device)
         else:
             positions = position_ids.to(inputs_embeds.device)
-            if int(positions.max()) >= max_positions:
-                raise ValueError(f"position id {int(positions.max())} exceeds max_positions={max_positions}: a "
-                                 "packed sample is longer than the model accepts")
-            documents = PackedDocuments.from_position_ids(positions)  # built once, shared by every layer
+            too_long = f"a packed sample is longer than max_positions={max_positions}, which the model accepts"
+            if document_lengths is not None:  # checked on the host for free
+                if max((n for row in document_lengths for n in row), default=0) > max_positions:
+                    raise ValueError(too_long)
+                documents = PackedDocuments.from_lengths(document_lengths, t, inputs_embeds.device)
+            else:  # checked on the device: reading positions.max() would make the host wait for the GPU
+                torch._assert_async(positions.max() < max_positions, too_long)
+                documents = PackedDocuments.from_position_ids(positions)  # built once, shared by every layer
         x = self.drop(inputs_embeds + self.embed_positions(positions))
         for layer in self.layers:
             x = layer(x, documents=documents)
@@ -309,6 +317,7 @@ class TinyVLM(nn.Module):
         num_items_in_batch: int | Tensor | None = None,
         position_ids: Tensor | None = None,
         images_per_row: Tensor | None = None,
+        document_lengths: list[list[int]] | None = None,
     ) -> VLMOutput:
         """Logits over the text positions, plus the shifted causal-LM loss when ``labels`` is given.
 
@@ -319,9 +328,11 @@ class TinyVLM(nn.Module):
 
         Packed rows (``position_ids`` given): ``pixel_values`` is [R, K, 3, S, S] with ``images_per_row``
         [R] valid images per row (or [N, 3, S, S] in row order), and logits cover every position.
+        ``document_lengths`` (per row, host ints; vlmfast's packing collator adds it) lets the packed path run
+        without reading anything back from the device.
         """
-        logits = self.language_model.lm_head(
-            self.hidden_states_for_loss(pixel_values, input_ids, attention_mask, position_ids, images_per_row))
+        logits = self.language_model.lm_head(self.hidden_states_for_loss(
+            pixel_values, input_ids, attention_mask, position_ids, images_per_row, document_lengths))
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return VLMOutput(loss=loss, logits=logits)
 
@@ -330,32 +341,47 @@ class TinyVLM(nn.Module):
         return self.language_model.lm_head
 
     def hidden_states_for_loss(self, pixel_values: Tensor, input_ids: Tensor, attention_mask: Tensor | None = None,
-                               position_ids: Tensor | None = None, images_per_row: Tensor | None = None) -> Tensor:
+                               position_ids: Tensor | None = None, images_per_row: Tensor | None = None,
+                               document_lengths: list[list[int]] | None = None) -> Tensor:
         """The hidden states the head turns into the logits ``forward`` returns (text positions; every position of
         packed rows), so a loss can apply the head itself (``vlmfast.hooks.linear_cross_entropy``)."""
         del attention_mask  # see forward's docstring
         if position_ids is not None:
-            return self._packed_hidden_states(pixel_values, input_ids, position_ids, images_per_row)
+            return self._packed_hidden_states(pixel_values, input_ids, position_ids, images_per_row, document_lengths)
         image_embeds = self.get_image_features(pixel_values)
         text_embeds = self.language_model.embed_tokens(input_ids)
         inputs_embeds = torch.cat([image_embeds.to(text_embeds.dtype), text_embeds], dim=1)
         return self.language_model.hidden_states(inputs_embeds, logits_from=image_embeds.shape[1])
 
     def _packed_hidden_states(self, pixel_values: Tensor, input_ids: Tensor, position_ids: Tensor,
-                              images_per_row: Tensor | None) -> Tensor:
+                              images_per_row: Tensor | None,
+                              document_lengths: list[list[int]] | None = None) -> Tensor:
         """Each sample's image features go to its placeholders, in row order (as LLaVA's masked_scatter)."""
-        if images_per_row is not None:
-            slots = torch.arange(pixel_values.shape[1], device=pixel_values.device)
-            pixel_values = pixel_values[slots < images_per_row.to(pixel_values.device)[:, None]]
+        pixel_values = self._packed_images(pixel_values, images_per_row, document_lengths)
         image_embeds = self.get_image_features(pixel_values)
         is_image = input_ids == IMAGE_PLACEHOLDER_ID
-        placeholders = int(is_image.sum())
-        if placeholders != image_embeds.shape[0] * image_embeds.shape[1]:
-            raise ValueError(f"packed batch has {placeholders} image placeholders but {image_embeds.shape[0]} images "
-                             f"of {image_embeds.shape[1]} tokens: pack with image_tokens={image_embeds.shape[1]}")
+        expected = image_embeds.shape[0] * image_embeds.shape[1]
+        # Checked on the device (a host read of the count would wait for the GPU); masked_scatter needs it to hold.
+        torch._assert_async(is_image.sum() == expected,
+                            f"packed batch: image placeholders != {image_embeds.shape[0]} images of "
+                            f"{image_embeds.shape[1]} tokens: pack with image_tokens={image_embeds.shape[1]}")
         text_embeds = self.language_model.embed_tokens(input_ids.clamp(min=0))
         inputs_embeds = text_embeds.masked_scatter(is_image.unsqueeze(-1), image_embeds.to(text_embeds.dtype))
-        return self.language_model.hidden_states(inputs_embeds, position_ids=position_ids)
+        return self.language_model.hidden_states(inputs_embeds, position_ids=position_ids,
+                                                 document_lengths=document_lengths)
+
+    @staticmethod
+    def _packed_images(pixel_values: Tensor, images_per_row: Tensor | None,
+                       document_lengths: list[list[int]] | None) -> Tensor:
+        """The valid images of per-row packed ``pixel_values`` [R, K, ...], in row order."""
+        if images_per_row is None:
+            return pixel_values  # already [N, ...] in row order
+        if document_lengths is not None:  # one image per sample: row r holds len(document_lengths[r]) of them
+            slots = pixel_values.shape[1]
+            index = [r * slots + j for r, row in enumerate(document_lengths) for j in range(len(row))]
+            return pixel_values.flatten(0, 1).index_select(0, host_to_device(index, pixel_values.device))
+        slots = torch.arange(pixel_values.shape[1], device=pixel_values.device)
+        return pixel_values[slots < images_per_row.to(pixel_values.device)[:, None]]  # one host read (the count)
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor, num_items_in_batch: int | Tensor | None = None) -> Tensor:

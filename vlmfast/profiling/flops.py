@@ -110,8 +110,33 @@ def shape_key(batch: Any) -> tuple:
     if isinstance(batch, Mapping):
         return tuple((key, shape_key(value)) for key, value in sorted(batch.items(), key=lambda kv: str(kv[0])))
     if isinstance(batch, (list, tuple)):
-        return tuple(shape_key(value) for value in batch)
+        # Host metadata (e.g. packing's per-row document_lengths, plain ints) does not change what runs: without
+        # this, every new document layout would count as a new shape and be measured again.
+        return tuple(shape_key(value) for value in batch) if any(_holds_tensor(v) for v in batch) else ()
     return ()
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_tensor(v) for v in value)
+
+
+def _count_flash_attn_ops() -> None:
+    """flash-attn's kernels are custom ops FlopCounterMode cannot see into: give it their formulas (when installed)."""
+    from vlmfast.attention.backends import flash_attn_installed
+
+    if not flash_attn_installed():
+        return
+    try:
+        import flash_attn  # noqa: F401  (registers torch.ops.flashattn.*)
+    except ImportError:
+        return
+    from vlmfast.profiling.flash_flops import register_flash_attn_flops
+
+    register_flash_attn_flops()
 
 
 def real_token_fraction(batch: Any, lm_tokens: int | None) -> float:
@@ -134,6 +159,8 @@ class FlopsMeter:
         self.method = method  # "auto" becomes one of the other two at the first micro-batch
         self.buckets: dict[tuple, MeasuredFlops] = {}
         self._roles = find_submodules(model)
+        if method == "measured":
+            _count_flash_attn_ops()
         self._towers: dict[int, tuple[int, bool]] = {}  # analytic: (matmul params, trainable) per tower, once
 
     def will_measure(self, micro_batch: Any) -> bool:

@@ -25,11 +25,9 @@ and this object holds the only mutable micro-batch size (:class:`FixedMicroBatch
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 
 from vlmfast.engines.collectives import agree_max, all_reduce_gradients, world_size
@@ -46,15 +44,10 @@ __all__ = ["FixedMicroBatchSize", "OOMFallback", "OutOfMemoryAtMinimumError", "b
 
 
 def set_expandable_segments() -> bool:
-    """Ask the CUDA caching allocator for expandable segments (less fragmentation); must precede CUDA init."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        log.warning("oom.expandable_segments: CUDA is already initialised, the allocator setting cannot change now; "
-                    "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python")
-        return False
-    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments" not in current:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [current, "expandable_segments:True"]))
-    return True
+    """Ask the CUDA caching allocator for expandable segments (less fragmentation), before or after CUDA starts."""
+    from vlmfast.memory.allocator import set_expandable_segments as apply  # there: works after CUDA started too
+
+    return apply()
 
 
 

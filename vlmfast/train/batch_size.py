@@ -8,15 +8,14 @@ Usage::
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from vlmfast.data.batch import move_to_device, split_batch
-from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size
+from vlmfast.data.batch import split_batch
+from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size, restore_from_host, snapshot_to_host
 from vlmfast.spec import SpecError
 from vlmfast.utils import rng_state, set_rng_state
 
@@ -53,18 +52,14 @@ def search_micro_batch_size(train_step: Callable[[Any, int], Any], *, engine: An
 
 
 def _host_snapshot(engine: Any, loader: Any) -> tuple[Any, ...]:
-    """Model and optimizer state copied to the host (a device copy would take the memory being measured).
-
-    Blocking copies: a non-blocking device-to-host copy may still be in flight when it is read."""
-    cpu = torch.device("cpu")
-    model_state = copy.deepcopy(move_to_device(engine.module.state_dict(), cpu, non_blocking=False))
-    optimizer_state = copy.deepcopy(move_to_device(engine.optimizer.state_dict(), cpu, non_blocking=False))
-    return model_state, optimizer_state, rng_state(), loader.state_dict()
+    """Model and optimizer state copied to the host (a device copy would take the memory being measured), complete
+    when this returns (blocking copies: see snapshot_to_host)."""
+    return (snapshot_to_host(engine.module.state_dict()), snapshot_to_host(engine.optimizer.state_dict()),
+            rng_state(), loader.state_dict())
 
 
 def _restore(engine: Any, loader: Any, snapshot: tuple[Any, ...]) -> None:
     model_state, optimizer_state, rng, position = snapshot
-    engine.module.load_state_dict(model_state)
-    engine.optimizer.load_state_dict(optimizer_state)
+    restore_from_host(engine.module, engine.optimizer, model_state, optimizer_state)
     set_rng_state(rng)
     loader.load_state_dict(position)
