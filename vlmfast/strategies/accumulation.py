@@ -250,7 +250,21 @@ def _mean_to_share(mean_loss: torch.Tensor, plan: AccumulationPlan, index: int) 
     n_items = plan.items[index]
     if n_items is None:
         raise ValueError("cannot weight a mean loss without its item count: return (loss_sum, n_items) from loss_fn")
+    if n_items == 0:  # a mean over no items is NaN (0/0), and 0 * NaN too: weight 0 without touching it
+        return _ZeroWeight.apply(mean_loss)
     return mean_loss * (n_items / plan.divisor)
+
+
+class _ZeroWeight(torch.autograd.Function):
+    """0 in forward; no gradient in backward (None stops autograd there, so the NaN of 0/0 never propagates)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        return None
 
 
 def all_reduce_sum(value: float, world_size: int) -> float:
