@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmfast.data.batch import batch_size_of, move_to_device, split_batch
+from vlmfast.data.batch import batch_size_of, move_to_device
+from vlmfast.data.batch_layout import BatchLayout
+from vlmfast.data.micro_batches import split_micro_batches
 from vlmfast.models.conventions import LabelConventions, probe_label_conventions
 from vlmfast.strategies.base import Strategy
 
@@ -147,11 +149,13 @@ class GradientAccumulation(Strategy):
         self.accumulation_steps = 1
         self.resolved_weighting = weighting
         self.model: nn.Module | None = None
+        self.layout: BatchLayout | None = None
         self.conventions: LabelConventions | None = None
 
     def apply(self, model: nn.Module) -> nn.Module:
         # Measured, not guessed: on the first batch's first micro-batch (vlmfast.models.conventions), see plan().
         self.model = model
+        self.layout = BatchLayout.from_model(model)  # image / video token ids for splitting collated batches
         if isinstance(self.shift_labels, str) and self.shift_labels != "auto":
             self.shift_labels = self.shift_labels == "yes"
         return model
@@ -172,7 +176,7 @@ class GradientAccumulation(Strategy):
 
     def plan(self, batch: Any) -> AccumulationPlan:
         """Split `batch` and count its loss items (on the host, before it moves to the device)."""
-        micro_batches = split_batch(batch, self.micro_batch_size)
+        micro_batches = split_micro_batches(batch, self.micro_batch_size, self.layout)  # samples, per micro-batch
         self._resolve_conventions(micro_batches[0])
         self.accumulation_steps = len(micro_batches)
         token_counts = [self._count_tokens(mb) for mb in micro_batches]
