@@ -29,8 +29,8 @@ def test_spec_check_reports_a_misspelt_key_in_one_line(tmp_path, capsys):
 def test_set_overrides_are_validated_before_any_work(capsys):
     spec = build_spec(None, ["precision=bf16", "optimizer.lr=3e-4", "micro_batch_size=4"])
     assert (spec.precision, spec.optimizer.lr, spec.micro_batch_size) == ("bf16", 3e-4, 4)
-    assert main(["train", "--set", "micro_batch_size=5"]) == 2  # 16 is not divisible by 5
-    assert "divisible by micro_batch_size (5)" in capsys.readouterr().err
+    assert main(["train", "--set", "micro_batch_size=17"]) == 2  # above batch_size 16
+    assert "micro_batch_size (17) is larger than batch_size (16)" in capsys.readouterr().err
 
 
 def test_find_batch_size_command_prints_a_valid_recommendation(capsys):

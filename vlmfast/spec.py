@@ -541,12 +541,7 @@ class TrainSpec(Section):
                 f"micro_batch_size ({mbs}) is larger than batch_size ({self.batch_size}): "
                 f"set micro_batch_size <= {self.batch_size}"
             )
-        if mbs is not None and self.batch_size % mbs:
-            divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be divisible by micro_batch_size ({mbs}) so every "
-                f"micro-batch has the same size: use micro_batch_size in {divisors}"
-            )
+        # Any micro-batch size: 8 at 3 is 3 + 3 + 2, exact because micro-batches are weighted by their loss items.
         if self.precision == "fp16" and self.device.startswith("cpu"):
             raise ValueError("precision 'fp16' needs a CUDA device (GradScaler); on CPU use precision: bf16")
         if self.scheduler.warmup_steps >= self.max_steps and self.scheduler.warmup_steps > 0:
