@@ -117,7 +117,7 @@ class OptimizedTrainer:
         self._interrupt: str | None = None  # a signal received here (set by fit)
         self._stop_agreed = False  # under DDP: some rank wants to stop (agreed inside the step's all-reduce)
         mbs = self.spec.resolved_micro_batch_size
-        self.state = TrainState(micro_batch_size=mbs, accumulation_steps=self.spec.batch_size // mbs)
+        self.state = TrainState(micro_batch_size=mbs, accumulation_steps=-(-self.spec.batch_size // mbs))
 
         self.backend = build_backend(self.spec, self.device, self.world_size)
         self.deepspeed = self.backend if self.backend.name == "deepspeed" else None  # it also owns backward/step
@@ -145,7 +145,9 @@ class OptimizedTrainer:
         pin = self.spec.data.pin_memory if self.spec.data.pin_memory is not None else self.device.type == "cuda"
         self.loader = device_batches(  # data.device_prefetch: the next batch is copied while this step runs
             ResumableLoader(train_data, self.spec.batch_size, self.spec.data, self.spec.seed, self.collate_fn,
-                            pin_memory=pin, rank=self.rank, world_size=self.world_size), self.spec.data, self.device)
+                            pin_memory=pin, rank=self.rank, world_size=self.world_size,
+                            micro_batch_size=None if self.spec.packing.enabled else mbs),  # samples, collated per mb
+            self.spec.data, self.device)
 
     def _build_strategies(self, loss_fn: LossFn | None) -> list[Strategy]:
         """The strategies the spec turns on, in the order they change the model (the backend wraps it last)."""
