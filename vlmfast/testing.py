@@ -80,8 +80,10 @@ def _raise_in_backward(state: SimulatedOOM) -> None:
 
 
 def _samples(args: Any, kwargs: Any) -> int:
+    """Samples of a call: its keyword batch's text keys (input_ids...) first, so that a VLM's flattened image patches
+    (Qwen2-VL's pixel_values rows) are not taken for samples; else the first tensor's dim 0."""
     try:
-        return batch_size_of([*args, *kwargs.values()])
+        return batch_size_of(kwargs) if kwargs and not args else batch_size_of([*args, *kwargs.values()])
     except TypeError:
         return 0
 

@@ -14,8 +14,9 @@ equal the batch size splits those wrongly or not at all. The rules here:
   counting runs of image tokens (``image_sizes`` tiles, whose token counts vary); the counts must add up exactly;
 - per-sample image tensors (Idefics3 / SmolVLM with ``pixel_attention_mask``, Mllama with ``aspect_ratio_ids``,
   vlmfast's packed ``images_per_row``): sliced by sample;
-- a micro-batch whose samples have no image token gets no image keys (what a processor returns for text-only
-  samples);
+- a micro-batch whose samples have no image in a per-image layout, or whose ``pixel_attention_mask`` shows no
+  real pixel, gets no image keys (what a processor returns for text-only samples); other per-sample image tensors
+  keep their padding (Mllama's text rows attend to it);
 - scalars (0-d tensors, numbers, strings, None) go to every micro-batch; lists of one item per sample are sliced.
 
 Anything else is refused with a :class:`BatchSplitError` that names the key and what to do instead: a tensor is
@@ -119,7 +120,7 @@ def split_collated(batch: Any, micro_batch_size: int, layout: BatchLayout | None
     bounds = [(start, min(start + micro_batch_size, n)) for start in range(0, n, micro_batch_size)]
     if isinstance(batch, Mapping):
         rules = _mapping_rules(batch, n, layout or BatchLayout())
-        parts = [{k: rule(a, b) for k, rule in rules.items()} for a, b in bounds]
+        parts = [{k: rules[k](a, b) for k in batch} for a, b in bounds]  # the batch's key order
         return [_rebuild(batch, {k: v for k, v in part.items() if v is not _DROP}) for part in parts]
     rule = _generic_rule(batch, n, "the batch")
     return [rule(a, b) for a, b in bounds]
@@ -166,7 +167,12 @@ def _image_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None) -> dic
         return {}
     if any(k in batch for k in PER_SAMPLE_IMAGE_MARKERS) or (
             "image_grid_thw" not in batch and "image_sizes" not in batch and _per_sample_pixels(batch, n, tokens)):
-        return {k: _per_sample_images(batch[k], n, k, tokens) for k in present}
+        # Sliced with their padding: what the whole batch gave the samples (Mllama's text rows without an image
+        # attend to the padding slots, so dropping those would change the gradient). Only where a pixel mask proves
+        # a micro-batch holds no real image (Idefics3, whose vision tower cannot run on padding alone) are the keys
+        # dropped, as its processor does for text-only samples.
+        return {k: _unless_no_pixels(_generic_rule(batch[k], n, f"'{k}'"), batch.get("pixel_attention_mask"), n)
+                for k in present}
     return _stream_rules(batch, n, tokens, "pixel_values", "image_grid_thw", ("image_sizes",), "image")
 
 
@@ -178,12 +184,11 @@ def _per_sample_pixels(batch: Mapping[str, Any], n: int, tokens: Tensor | None) 
     return isinstance(pixels, Tensor) and pixels.dim() > 0 and pixels.shape[0] == n and not has_tokens
 
 
-def _per_sample_images(value: Any, n: int, key: str, tokens: Tensor | None) -> Rule:
-    slice_ = _generic_rule(value, n, f"'{key}'")
-    if tokens is None:
-        return slice_
-    counts = tokens.sum(dim=1)
-    return lambda a, b: slice_(a, b) if bool(counts[a:b].any()) else _DROP
+def _unless_no_pixels(rule: Rule, pixel_mask: Any, n: int) -> Rule:
+    if not (isinstance(pixel_mask, Tensor) and pixel_mask.dim() > 0 and pixel_mask.shape[0] == n):
+        return rule
+    real = pixel_mask.flatten(1).any(dim=1)
+    return lambda a, b: rule(a, b) if bool(real[a:b].any()) else _DROP
 
 
 def _stream_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None, data_key: str, grid_key: str,
@@ -194,13 +199,13 @@ def _stream_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None, data_
         return {}
     items, rows = _items(batch, data_key, grid_key, item_keys)
     counts = _items_per_sample(batch, tokens, items, rows, grid_key, item_keys, what, keys)
-    starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
-    row_starts = [0, *torch.tensor(rows).cumsum(0).tolist()] if rows is not None else starts
+    starts = [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()]  # first item of each sample
+    row_starts = [0, *torch.tensor(rows, dtype=torch.long).cumsum(0).tolist()] if rows is not None else []
 
     def rule_for(key: str) -> Rule:
         value = batch[key]
-        flat_rows = key == data_key and rows is not None  # flattened patches: rows of each image, not images
-        first = row_starts if flat_rows else starts
+        # Flattened patches: the rows of the samples' images; any other key: one row per item.
+        first = row_starts if key == data_key and rows is not None else list(range(items + 1))
 
         def rule(a: int, b: int) -> Any:
             if starts[b] == starts[a]:

@@ -201,6 +201,10 @@ def _probe_shift(run: _Runner, sample: dict[str, Any], label_key: str, ignore_in
         loss_first = run.loss(_with_labels(sample, label_key, first))
         loss_last = run.loss(_with_labels(sample, label_key, last))
     except Exception as exc:  # a model that cannot run on one sample with these labels
+        from vlmfast.strategies.oom import is_oom_error
+
+        if is_oom_error(exc):  # the OOM fallback's business, not a convention
+            raise
         return _declared_or_ask(model, f"the probe forward raised {type(exc).__name__}: {exc}")
     reads_labels = not _same(loss_last, loss_none)
     if reads_labels and _same(loss_first, loss_none):
@@ -236,6 +240,10 @@ def _probe_num_items(run: _Runner, sample: dict[str, Any]) -> tuple[bool, str]:
     except TypeError:
         return False, "refused (TypeError)"
     except Exception as exc:  # e.g. a model that passes unknown kwargs on to a module that rejects them
+        from vlmfast.strategies.oom import is_oom_error
+
+        if is_oom_error(exc):
+            raise
         return False, f"not honoured: the forward raised {type(exc).__name__}"
     if math.isfinite(once) and once != 0 and abs(twice / once - 0.5) < 1e-4:
         return True, "measured"
