@@ -60,6 +60,14 @@ class SampleBatch:
         self.on_resize: Callable[[int], None] | None = None  # the loader's: collate later batches at the new size
         self._steps: list[Callable[[Any], Any]] = []  # device copy and transforms, replayed on re-collated ones
 
+    @classmethod
+    def from_samples(cls, samples: Sequence[Any], collate_fn: Collate | None = None) -> SampleBatch:
+        """A batch of these samples, collated per micro-batch when asked (e.g. an estimator probe).
+
+        Usage: ``estimate_memory(model, activation_probe=SampleBatch.from_samples(samples, collate))``
+        """
+        return cls(list(samples), [], len(samples), collate_fn)
+
     def __len__(self) -> int:
         return len(self.samples)
 
