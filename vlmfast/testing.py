@@ -54,7 +54,8 @@ def simulated_oom(
     def before(module: nn.Module, args: Any) -> None:
         depth.value = getattr(depth, "value", 0) + 1
 
-    def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def after(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
+        # always_call: also when forward raised (then torch passes no output); the depth must come down either way.
         depth.value -= 1
         if depth.value or not active or _samples(args, kwargs) <= max_micro_batch_size:
             return

@@ -234,6 +234,8 @@ def _declared_or_ask(model: nn.Module, why: str) -> tuple[bool, str]:
 
 
 def _probe_num_items(run: _Runner, sample: dict[str, Any]) -> tuple[bool, str]:
+    if not _takes_keyword(run.model, "num_items_in_batch"):
+        return False, "not a forward argument"
     try:
         once = run.loss(sample, num_items_in_batch=7)
         twice = run.loss(sample, num_items_in_batch=14)
@@ -248,6 +250,16 @@ def _probe_num_items(run: _Runner, sample: dict[str, Any]) -> tuple[bool, str]:
     if math.isfinite(once) and once != 0 and abs(twice / once - 0.5) < 1e-4:
         return True, "measured"
     return False, "measured"
+
+
+def _takes_keyword(model: nn.Module, name: str) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True  # cannot tell: let the call say
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def synthetic_probe_batch(model: nn.Module, length: int = 8) -> dict[str, torch.Tensor] | None:
