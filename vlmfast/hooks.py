@@ -19,7 +19,9 @@ from vlmfast.attention import (
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vlmfast.data.autotune import autotune_num_workers
 from vlmfast.data.batch import move_to_device, split_batch
+from vlmfast.data.batch_layout import BatchLayout, BatchSplitError, split_collated
 from vlmfast.data.images import BatchImagePreprocessor, preprocess_images
+from vlmfast.data.micro_batches import SampleBatch, split_micro_batches
 from vlmfast.data.mmap import MemmapTensorDataset, MemmapTokenDataset, write_tensors, write_token_sequences
 from vlmfast.data.packing import (
     PackingCollator,
@@ -40,6 +42,7 @@ from vlmfast.interrupt import InterruptGuard
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb
+from vlmfast.models.conventions import LabelConventions, probe_label_conventions
 from vlmfast.profiling import (
     FlopsMeter,
     PhaseTimer,
@@ -79,10 +82,13 @@ from vlmfast.strategies.precision import MixedPrecision, autocast_context, enabl
 
 __all__ = [
     "BatchImagePreprocessor",
+    "BatchLayout",
+    "BatchSplitError",
     "CompileResult",
     "DevicePrefetcher",
     "FlopsMeter",
     "InterruptGuard",
+    "LabelConventions",
     "LengthGroupedSampler",
     "MemmapTensorDataset",
     "MemmapTokenDataset",
@@ -91,6 +97,7 @@ __all__ = [
     "PackingCollator",
     "PhaseTimer",
     "RunProfiler",
+    "SampleBatch",
     "ShardDataset",
     "StepProfiler",
     "accumulate_gradients",
@@ -138,6 +145,7 @@ __all__ = [
     "peak_tflops",
     "plan_rows",
     "preprocess_images",
+    "probe_label_conventions",
     "record_attention_calls",
     "register_comm_hook",
     "save_checkpoint",
@@ -146,6 +154,8 @@ __all__ = [
     "set_expandable_segments",
     "shard_model",
     "split_batch",
+    "split_collated",
+    "split_micro_batches",
     "sync_context",
     "timed_comm_hook",
     "trace_attention_kernels",
