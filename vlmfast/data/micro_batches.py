@@ -134,8 +134,14 @@ class SampleCollate:
 
     def __call__(self, samples: list[Any]) -> SampleBatch:
         micro_batch_size = int(self.size[0])
-        collate = self.collate_fn or default_collate
-        return SampleBatch(samples, [collate(chunk) for chunk in _chunks(samples, micro_batch_size)], micro_batch_size)
+        if self.collate_fn is None:
+            # torch's default_collate stacks: slicing the whole batch gives exactly the micro-batches it would
+            # collate, and collating the whole batch keeps every sample checked against all the others (a sample
+            # with a missing key or another shape is found and skipped, as before micro-batches of samples).
+            micro_batches = split_collated(default_collate(samples), micro_batch_size)
+        else:
+            micro_batches = [self.collate_fn(chunk) for chunk in _chunks(samples, micro_batch_size)]
+        return SampleBatch(samples, micro_batches, micro_batch_size)
 
 
 def split_micro_batches(batch: Any, micro_batch_size: int, layout: BatchLayout | None = None) -> list[Any]:
