@@ -118,7 +118,8 @@ def test_sample_weighting_for_models_without_labels():
 def test_shift_detection_counts_the_right_tokens():
     batch = token_batch(batch_size=4)
     assert count_loss_tokens(batch, shift=False) - count_loss_tokens(batch, shift=True) == 4
-    assert not model_shifts_labels(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"loss\.shift_labels"):  # nothing to probe: asks for the field
+        model_shifts_labels(torch.nn.Linear(2, 2))
     assert not model_accepts_num_items(copy.deepcopy(TinyCausalLM()))
 
 

@@ -35,3 +35,8 @@ def test_yaml_on_off_reads_as_words(tmp_path):
 def test_unknown_keys_suggest_the_field_meant(data, suggested):
     with pytest.raises(ValueError, match=f"did you mean '{suggested}'"):
         TrainSpec(**data)
+
+
+def test_any_micro_batch_size_up_to_the_batch_is_valid():
+    """8 at 3 is 3 + 3 + 2: micro-batches are weighted by their loss items, so no divisor rule."""
+    assert TrainSpec(batch_size=8, micro_batch_size=3).resolved_micro_batch_size == 3

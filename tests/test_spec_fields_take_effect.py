@@ -11,6 +11,8 @@ import torch
 from conftest import TinyCausalLM, TokenDataset
 
 from vlmfast import Callback, NonFiniteLossError, OptimizedTrainer, TrainSpec
+from vlmfast.data.batch import batch_size_of
+from vlmfast.data.micro_batches import split_micro_batches
 from vlmfast.spec import DDPSpec, SchedulerSpec
 from vlmfast.strategies.optimizer import lr_multiplier
 from vlmfast.strategies.precision import enable_tf32
@@ -70,7 +72,7 @@ def test_data_fields_reach_the_dataloader():
 
 def test_unshuffled_data_keeps_the_dataset_order():
     loader = trainer_for(data={"shuffle": False}).loader
-    first = next(loader)
+    first = split_micro_batches(next(loader), 8)[0]  # the loader yields samples, collated per micro-batch
     assert torch.equal(first["input_ids"], TokenDataset(64).batch["input_ids"][:8])
 
 
@@ -94,7 +96,7 @@ def test_eval_every_steps_and_max_batches():
         max_steps=4, batch_size=8, eval={"every_steps": 2, "max_batches": 1}, log={"progress": "off"}),
         eval_data=TokenDataset(32, seed=3))
     original = trainer.accumulation.plan
-    trainer.accumulation.plan = lambda batch, size: calls.append(batch["input_ids"].shape[0]) or original(batch, size)
+    trainer.accumulation.plan = lambda batch, size: calls.append(batch_size_of(batch)) or original(batch, size)
     result = trainer.fit()
     assert [m["step"] for m in result.eval_history] == [2, 4, 4]  # every 2 steps, and once at the end
     assert len(calls) == 4 + 3  # 4 training batches + one eval batch per evaluation (max_batches 1)

@@ -19,7 +19,9 @@ from vlmfast.attention import (
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vlmfast.data.autotune import autotune_num_workers
 from vlmfast.data.batch import move_to_device, split_batch
+from vlmfast.data.batch_layout import BatchLayout, BatchSplitError, split_collated
 from vlmfast.data.images import BatchImagePreprocessor, preprocess_images
+from vlmfast.data.micro_batches import SampleBatch, split_micro_batches
 from vlmfast.data.mmap import MemmapTensorDataset, MemmapTokenDataset, write_tensors, write_token_sequences
 from vlmfast.data.packing import (
     PackingCollator,
@@ -41,6 +43,7 @@ from vlmfast.features.cache import FeatureCache
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb
+from vlmfast.models.conventions import LabelConventions, probe_label_conventions
 from vlmfast.profiling import (
     FlopsMeter,
     PhaseTimer,
@@ -91,6 +94,8 @@ from vlmfast.train.interrupt import InterruptGuard
 
 __all__ = [
     "BatchImagePreprocessor",
+    "BatchLayout",
+    "BatchSplitError",
     "CompileResult",
     "DevicePrefetcher",
     "ExponentialMovingAverage",
@@ -99,6 +104,7 @@ __all__ = [
     "FlopsMeter",
     "InterruptGuard",
     "KeyedCollate",
+    "LabelConventions",
     "LengthGroupedSampler",
     "MemmapTensorDataset",
     "MemmapTokenDataset",
@@ -107,6 +113,7 @@ __all__ = [
     "PackingCollator",
     "PhaseTimer",
     "RunProfiler",
+    "SampleBatch",
     "ShardDataset",
     "StepProfiler",
     "TokenBudget",
@@ -162,6 +169,7 @@ __all__ = [
     "plan_rows",
     "plan_token_micro_batches",
     "preprocess_images",
+    "probe_label_conventions",
     "record_attention_calls",
     "register_comm_hook",
     "save_checkpoint",
@@ -172,6 +180,8 @@ __all__ = [
     "shift_targets",
     "split_batch",
     "split_by_tokens",
+    "split_collated",
+    "split_micro_batches",
     "sync_context",
     "timed_comm_hook",
     "trace_attention_kernels",

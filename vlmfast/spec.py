@@ -524,6 +524,7 @@ class TrainSpec(Section):
                 f"micro_batch_size ({mbs}) is larger than batch_size ({self.batch_size}): "
                 f"set micro_batch_size <= {self.batch_size}"
             )
+        # Any micro-batch size: 8 at 3 is 3 + 3 + 2, exact because micro-batches are weighted by their loss items.
         if self.precision == "fp16" and self.device.startswith("cpu"):
             raise ValueError("precision 'fp16' needs a CUDA device (GradScaler); on CPU use precision: bf16")
         if self.scheduler.warmup_steps >= self.max_steps and self.scheduler.warmup_steps > 0:

@@ -65,7 +65,8 @@ def simulated_oom(
     def before(module: nn.Module, args: Any) -> None:
         depth.value = getattr(depth, "value", 0) + 1
 
-    def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def after(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
+        # always_call: also when forward raised (then torch passes no output); the depth must come down either way.
         depth.value -= 1
         if depth.value or not active or _samples(args, kwargs) <= max_micro_batch_size:
             return
@@ -105,8 +106,10 @@ def _raise_in_backward(state: SimulatedOOM) -> None:
 
 
 def _samples(args: Any, kwargs: Any) -> int:
+    """Samples of a call: its keyword batch's text keys (input_ids...) first, so that a VLM's flattened image patches
+    (Qwen2-VL's pixel_values rows) are not taken for samples; else the first tensor's dim 0."""
     try:
-        return batch_size_of([*args, *kwargs.values()])
+        return batch_size_of(kwargs) if kwargs and not args else batch_size_of([*args, *kwargs.values()])
     except TypeError:
         return 0
 

@@ -94,6 +94,8 @@ class SignalInsideAStep(TinyCausalLM):
         self.sent_at_call: int | None = None
 
     def forward(self, input_ids, labels=None, attention_mask=None):
+        if not torch.is_grad_enabled():  # the label-convention probe (once, no grad) is not a training call
+            return super().forward(input_ids, labels, attention_mask)
         self.calls += 1
         if self.calls == self.at:
             os.kill(os.getpid(), self.signum)  # the handler runs here, before this forward goes on

@@ -28,6 +28,8 @@ class NonFiniteAt(TinyCausalLM):
 
     def forward(self, input_ids, labels=None, attention_mask=None):
         loss = self._loss(input_ids, labels)
+        if not torch.is_grad_enabled():  # the label-convention probe (once, no grad) is not a training call
+            return {"loss": loss}
         self.calls += 1
         if self.calls == self.k or (self.stay and self.calls > self.k):
             if self.kind == "grad":

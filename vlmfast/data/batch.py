@@ -1,8 +1,11 @@
 """Batches as nested dicts / lists / tuples of tensors: size, split into micro-batches, move to a device.
 
+A batch is either collated (a dict / tuple of tensors) or a :class:`~vlmfast.data.micro_batches.SampleBatch` from
+vlmfast's loader (samples plus their collated micro-batches); every function here takes both.
+
 Usage::
 
-    for micro in split_batch(batch, micro_batch_size=4):
+    for micro in split_batch(batch, micro_batch_size=4, model=model):   # key-aware: images stay with their sample
         micro = move_to_device(micro, device)
 """
 
@@ -13,42 +16,33 @@ from typing import Any
 
 import torch
 from accelerate.utils import send_to_device
+from torch import nn
+
+from vlmfast.data.batch_layout import BatchLayout, num_samples
+from vlmfast.data.micro_batches import SampleBatch, split_micro_batches
 
 
 def batch_size_of(batch: Any) -> int:
-    """The number of samples: dim 0 of the first tensor found in the batch."""
-    tensor = _first_tensor(batch)
-    if tensor is None:
-        if isinstance(batch, (list, tuple)):
-            return len(batch)
-        raise TypeError(f"cannot find the batch size of a {type(batch).__name__}: it holds no tensor")
-    return tensor.shape[0]
+    """The number of samples: a SampleBatch's, else dim 0 of the text keys (input_ids...) or of the first tensor."""
+    if isinstance(batch, SampleBatch):
+        return len(batch)
+    try:
+        return num_samples(batch)
+    except TypeError:
+        raise TypeError(f"cannot find the batch size of a {type(batch).__name__}: it holds no tensor") from None
 
 
-def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
-    """Slice every per-sample tensor (and per-sample list) of a batch into micro-batches along dim 0.
+def split_batch(batch: Any, micro_batch_size: int, model: nn.Module | None = None,
+                layout: BatchLayout | None = None) -> list[Any]:
+    """Micro-batches of ``micro_batch_size`` samples (the last may be smaller): :func:`split_micro_batches`.
 
-    Entries whose leading size is not the batch size (e.g. a scalar or a shared lookup table) are passed to every
-    micro-batch unchanged. Slices are views: no copy.
+    Collated batches are split by key-aware rules (images stay with their sample; a key whose layout is unknown
+    is refused, naming it). ``model`` (or ``layout``) gives the image / video token ids those rules count.
+    Slices are views: no copy. Usage: ``split_batch(batch, 4, model=model)``
     """
-    size = batch_size_of(batch)
-    if micro_batch_size >= size:
-        return [batch]
-    return [_slice(batch, start, start + micro_batch_size, size) for start in range(0, size, micro_batch_size)]
-
-
-def _slice(obj: Any, start: int, stop: int, size: int) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj[start:stop] if obj.dim() > 0 and obj.shape[0] == size else obj
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _slice(v, start, stop, size) for k, v in obj.items()})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_slice(v, start, stop, size) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        if len(obj) == size and not any(isinstance(v, torch.Tensor) for v in obj):
-            return obj[start:stop]  # per-sample list, e.g. captions
-        return type(obj)(_slice(v, start, stop, size) for v in obj)
-    return obj
+    if layout is None and model is not None:
+        layout = BatchLayout.from_model(model)
+    return split_micro_batches(batch, micro_batch_size, layout)
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
@@ -56,19 +50,10 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) 
     return send_to_device(batch, device, non_blocking=non_blocking)
 
 
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.dim() > 0 else None
-    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None
-
-
 def count_input_tokens(batch: Any) -> int:
     """Real input tokens of a host batch: the attention mask's sum, else input_ids' size, else 0."""
+    if isinstance(batch, SampleBatch):
+        return sum(count_input_tokens(mb) for mb in batch.micro_batches)
     if not isinstance(batch, Mapping):
         return 0
     mask = batch.get("attention_mask")

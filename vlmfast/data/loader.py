@@ -4,10 +4,16 @@ A sample that cannot be read, does not fit its batch (other keys, another shape)
 (``data.check_samples``: integer ids within the vocabulary, finite pixels) is dropped from the batch and counted, up
 to ``data.max_bad_sample_fraction``; then the error names it (``vlmfast.data.bad_samples``).
 
+With ``micro_batch_size`` the loader yields each batch as a :class:`~vlmfast.data.micro_batches.SampleBatch`: the
+samples plus their micro-batches, already collated by ``collate_fn`` in the loader workers (off the training thread).
+When the trainer asks for another size (the OOM fallback), that batch is collated again once and the workers are
+told the new size through shared memory, so the batches they collate next come at it.
+
 Usage::
 
     loader = ResumableLoader(dataset, batch_size=16, spec=DataSpec(num_workers="auto"), seed=0, collate_fn=collate)
     batch = next(loader)                       # loader.state_dict() -> {"epoch": 0, "batch_in_epoch": 1}
+    loader = ResumableLoader(dataset, 16, DataSpec(), 0, collate, micro_batch_size=4)   # yields SampleBatch
     loader.autotune.reason                     # with num_workers auto: the choice and why (also logged)
     loader.sample_counts()                     # {"samples": 120, "bad": 1}
 """
@@ -25,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from vlmfast.data.autotune import AutotuneResult, autotune_num_workers
 from vlmfast.data.bad_samples import BadSampleCounts, CheckedCollate, IndexedDataset
+from vlmfast.data.micro_batches import SampleBatch, SampleCollate
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.data.samplers import LengthGroupedSampler, check_groupable, dataset_lengths
 from vlmfast.spec import DataSpec
@@ -71,7 +78,8 @@ class ResumableLoader:
 
     Map-style datasets resume by starting the sampler mid-epoch (no batch is loaded twice). Iterable datasets and
     user DataLoaders resume by skipping the batches already consumed in the epoch, which is exact only if their
-    order is deterministic.
+    order is deterministic. With ``micro_batch_size``, batches of a Dataset come as samples with collated
+    micro-batches (see the module docstring); a user DataLoader's batches come as it collates them.
     """
 
     def __init__(
@@ -85,10 +93,14 @@ class ResumableLoader:
         rank: int = 0,
         world_size: int = 1,
         sample_check: SampleCheck | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
         """`sample_check`: the host-side checks of every batch (data.check_samples; default: without the model's
         vocabulary, so ids are not range-checked: the trainer passes ``SampleCheck.for_model``)."""
         self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        # One shared cell: the trainer's size reaches the worker processes, whose collate reads it per batch.
+        self._micro_batch_size = torch.tensor([micro_batch_size or 0], dtype=torch.int64).share_memory_()
         self.epoch = 0
         self.batch_in_epoch = 0
         self._skip = 0
@@ -113,7 +125,8 @@ class ResumableLoader:
         stream = isinstance(data, IterableDataset)
         # Bad samples (unreadable, wrong keys or shapes) are dropped from their batch and counted, or named in an error.
         check = None if spec.check_samples == "off" else sample_check or SampleCheck()
-        checked = CheckedCollate(collate_fn, self.bad_samples, spec.max_bad_sample_fraction, indexed=not stream,
+        collate = SampleCollate(collate_fn, self._micro_batch_size) if micro_batch_size else collate_fn
+        checked = CheckedCollate(collate, self.bad_samples, spec.max_bad_sample_fraction, indexed=not stream,
                                  check=check, check_mode=spec.check_samples)
         source = data if stream else IndexedDataset(data)
         if stream:
@@ -170,6 +183,8 @@ class ResumableLoader:
                 self.batch_in_epoch = 0
                 continue
             self.batch_in_epoch += 1
+            if isinstance(batch, SampleBatch):  # not pickled with every batch: attached on this side
+                batch.collate_fn, batch.on_resize = self.collate_fn, self.set_micro_batch_size
             return batch
         raise RuntimeError("the training data yielded no batch in a whole epoch: is it empty, or smaller than "
                            "batch_size with drop_last?")
@@ -190,6 +205,11 @@ class ResumableLoader:
             for _ in range(self.batch_in_epoch):
                 next(iterator)
         return iterator
+
+    def set_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Collate the batches still to come at this size (a SampleBatch asks when it is split at another)."""
+        if int(self._micro_batch_size[0]):
+            self._micro_batch_size[0] = micro_batch_size
 
     def sample_counts(self) -> dict[str, int]:
         """Samples delivered and bad samples skipped so far (summed over workers): {"samples": n, "bad": m}."""

@@ -32,6 +32,7 @@ import torch
 from accelerate.utils import recursively_apply
 
 from vlmfast.data.batch import move_to_device
+from vlmfast.data.micro_batches import SampleBatch
 from vlmfast.spec import DataSpec
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class DevicePrefetcher:
     @staticmethod
     def _used_on(batch: Any, stream: Any) -> None:
         """Tell the caching allocator the batch's memory (allocated on the side stream) is in use on `stream`."""
-        recursively_apply(lambda t: t.record_stream(stream), batch, error_on_other_type=False)
+        tensors = batch.micro_batches if isinstance(batch, SampleBatch) else batch
+        recursively_apply(lambda t: t.record_stream(stream), tensors, error_on_other_type=False)
 
     def close(self) -> None:
         """Finish the loads in flight, stop the background thread, and close the host loader (its workers)."""
@@ -123,13 +125,17 @@ class DevicePrefetcher:
 
     def _to_device(self, host_batch: Any) -> Any:
         batch = move_to_device(host_batch, self.device, non_blocking=True)
-        return self.transform(batch) if self.transform is not None else batch
+        if self.transform is None:
+            return batch
+        # A SampleBatch keeps the transform for micro-batches it collates again later (after an OOM re-split).
+        return batch.map(self.transform) if isinstance(batch, SampleBatch) else self.transform(batch)
 
     def _check_pinned(self, host_batch: Any) -> None:
         if self.stream is None or self._warned_unpinned:
             return
         pinned: list[bool] = []
-        recursively_apply(lambda t: pinned.append(t.is_pinned()), host_batch, error_on_other_type=False)
+        tensors = host_batch.micro_batches if isinstance(host_batch, SampleBatch) else host_batch
+        recursively_apply(lambda t: pinned.append(t.is_pinned()), tensors, error_on_other_type=False)
         if pinned and not all(pinned):
             self._warned_unpinned = True
             log.warning("device prefetch: host batches are not in pinned memory, so the copy to %s cannot overlap "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -29,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ModelProbe", "default_activation_probe", "measure_saved_activations", "repeated_blocks"]
+__all__ = ["BatchProbe", "ModelProbe", "default_activation_probe", "measure_saved_activations",
+           "repeated_blocks"]
 
 DEFAULT_HF_SEQ_LEN = 2048  # LLaVA-1.5's model_max_length: the longest sample the estimate must survive
 
@@ -152,6 +152,7 @@ class ModelProbe:
     run: Callable[[int, int], Any]
     default_seq_len: int
     max_seq_len: int | None = None
+    includes_images: bool = True  # False: a VLM probed with text only (its images' activations are not in it)
 
     def __call__(self, micro_batch_size: int, seq_len: int | None = None) -> Any:
         seq_len = seq_len or self.default_seq_len
@@ -252,32 +253,56 @@ def default_activation_probe(model: nn.Module) -> ModelProbe | None:
         if vision is not None and projector is not None and lm is not None:
             return _llava_probe(model, vision, projector, lm)
         return None
-    return _causal_lm_probe(model) if hasattr(model, "lm_head") else None
+    if not hasattr(model, "lm_head"):
+        return None
+    probe = _causal_lm_probe(model)
+    probe.includes_images = not hasattr(cfg, "vision_config")  # a VLM run as text: images not measured
+    return probe
 
 
-def _batch_probe(model: nn.Module, batch: Any) -> Callable[[int], Any]:
-    """A probe from one example batch: its first rows (repeated if needed) run through ``model``."""
-    rows = next(iter(_tensors_in(batch)), None)
-    if rows is None or rows.dim() == 0:
-        raise ValueError("activation_probe: a batch needs at least one tensor with a batch dimension")
-    n = rows.shape[0]
+class BatchProbe:
+    """A probe from one real batch, images included: its first ``k`` samples as a micro-batch, split by sample
+    (``vlmfast.data.micro_batches``: images stay with their samples), on the model's device.
 
-    def take(value: Any, mbs: int) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
-            return value.repeat(math.ceil(mbs / n), *([1] * (value.dim() - 1)))[:mbs]
-        if isinstance(value, dict):
-            return {k: take(v, mbs) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(take(v, mbs) for v in value)
-        return value
+    It is measured at half the batch and at the whole batch (``probe_sizes``), so the per-sample slope is the
+    batch's average rather than one sample's (samples differ: text-only, two images...).
+    Usage: ``estimate_memory(model, activation_probe=collate(samples))`` (a collated batch or a SampleBatch)
+    """
 
-    def run(mbs: int) -> Any:
-        part = take(batch, mbs)
-        if isinstance(part, dict):
-            return model(**part)
-        return model(*part) if isinstance(part, (list, tuple)) else model(part)
+    def __init__(self, model: nn.Module, batch: Any) -> None:
+        from vlmfast.data.batch import batch_size_of
+        from vlmfast.data.batch_layout import BatchLayout
 
-    return run
+        self.model, self.batch = model, batch
+        self.layout = BatchLayout.from_model(model)
+        try:
+            self.samples = batch_size_of(batch)
+        except TypeError:
+            raise ValueError("activation_probe: a batch needs at least one tensor with a batch dimension") from None
+        self.probe_sizes = (max(1, self.samples // 2), self.samples) if self.samples > 1 else (1,)
+        self.includes_images = True  # whatever the batch holds is what the model trains on
+
+    def micro_batch(self, samples: int) -> Any:
+        """The batch's first ``samples`` samples (at most the batch), as the model takes them."""
+        from vlmfast.data.batch_layout import split_collated
+        from vlmfast.data.micro_batches import SampleBatch
+
+        samples = min(samples, self.samples)
+        if isinstance(self.batch, SampleBatch):  # collated here: the batch's own micro-batches stay as they are
+            return (self.batch.collate_fn or torch.utils.data.default_collate)(self.batch.samples[:samples])
+        return split_collated(self.batch, samples, self.layout)[0]
+
+    def __call__(self, micro_batch_size: int) -> Any:
+        from accelerate.utils import send_to_device
+
+        from vlmfast.strategies.accumulation import call_model
+
+        part = send_to_device(self.micro_batch(micro_batch_size), _first_param(self.model).device)
+        return call_model(self.model, part)
+
+
+def _batch_probe(model: nn.Module, batch: Any) -> BatchProbe:
+    return BatchProbe(model, batch)
 
 
 def _accepts_seq_len(probe: Callable[..., Any]) -> bool:

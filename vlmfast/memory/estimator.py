@@ -140,7 +140,8 @@ class MemoryEstimate:
     cpu_bytes: int
     largest_layer_params: int
     seq_len: int | None = None
-    activations_measured: bool = True
+    activations_measured: bool = True  # False when not measured, or measured on text only for a VLM
+    activations_text_only: bool = False  # the built-in probe ran a VLM without images: a lower bound
     gpu_memory_gb: float | None = None
     notes: list[str] = field(default_factory=list)
     _reestimate: Callable[[EstimateOptions], MemoryEstimate] | None = field(default=None, repr=False, compare=False)
@@ -359,7 +360,9 @@ def _estimate(ctx: _Context, opts: EstimateOptions) -> MemoryEstimate:
     return MemoryEstimate(
         options=opts, components=rows, activation_bytes=activations, zero3_gathered_bytes=gathered,
         cpu_bytes=round(host * opts.ranks_per_node * DS_BUFFER_FACTOR), largest_layer_params=ctx.largest_layer,
-        seq_len=seq_len, activations_measured=ctx.probe is not None, gpu_memory_gb=ctx.gpu_memory_gb, notes=notes,
+        seq_len=seq_len, activations_measured=ctx.probe is not None and getattr(ctx.probe, "includes_images", True),
+        activations_text_only=ctx.probe is not None and not getattr(ctx.probe, "includes_images", True),
+        gpu_memory_gb=ctx.gpu_memory_gb, notes=notes,
         _reestimate=lambda new: _estimate(ctx, new),
     )
 
@@ -408,23 +411,31 @@ def _activations(ctx: _Context, opts: EstimateOptions, frozen: set[str]) -> tupl
     """(bytes at the requested micro-batch, sequence length measured at, notes)."""
     if ctx.probe is None:
         return 0, opts.seq_len, ["activations not included: pass activation_probe (a callable or a batch)"]
+    sizes = tuple(getattr(ctx.probe, "probe_sizes", PROBE_BATCH_SIZES))  # a real batch: half of it and all of it
     try:
-        small, large = (_measure(ctx, opts, frozen, b) for b in PROBE_BATCH_SIZES)
+        measured = [_measure(ctx, opts, frozen, b) for b in sizes]
     except Exception as exc:
         if not ctx.probe_is_default or isinstance(exc, ValueError):  # a bad seq_len is the caller's to fix
             raise
         return 0, opts.seq_len, [f"activations not included: the built-in probe failed ({type(exc).__name__}: {exc})"]
     scope = opts.checkpoint_scope
     if scope is None:
-        counts = small.full(), large.full()
+        counts = [m.full() for m in measured]
     else:
-        selected = {i for i, path in enumerate(small.block_paths) if _in_scope(path, scope, ctx.components)}
-        counts = small.checkpointed(selected), large.checkpointed(selected)
+        selected = {i for i, path in enumerate(measured[0].block_paths) if _in_scope(path, scope, ctx.components)}
+        counts = [m.checkpointed(selected) for m in measured]
     # Linear in the micro-batch: per-sample slope plus what does not grow with it (e.g. autocast's weight copies).
-    slope = max(counts[1] - counts[0], 0)
-    fixed = max(counts[0] - slope, 0)
-    total = fixed + slope * opts.micro_batch_size
+    slope = max(counts[-1] - counts[0], 0) / (sizes[-1] - sizes[0]) if len(sizes) > 1 else 0.0
+    fixed = counts[0] - slope * sizes[0]
+    if fixed < 0 or len(sizes) == 1:
+        # Real samples differ (a text-only half, a two-image half): when the two points do not fit a line through
+        # a positive fixed part, the whole measurement's per-sample average is the better guess.
+        slope, fixed = counts[-1] / sizes[-1], 0.0
+    total = round(fixed + slope * opts.micro_batch_size)
     notes: list[str] = []
+    if not getattr(ctx.probe, "includes_images", True):
+        notes.append("activations measured on text only: the images' share is not included (pass activation_probe="
+                     "a real batch, images included)")
     seq_len = opts.seq_len
     if isinstance(ctx.probe, ModelProbe):
         seq_len = opts.seq_len or ctx.probe.default_seq_len
@@ -499,7 +510,8 @@ def _format_table(est: MemoryEstimate) -> str:
     if est.zero3_gathered_bytes:
         lines.append(row(f"ZeRO-3 gathered layer ({_count(est.largest_layer_params)} params)",
                          est.zero3_gathered_bytes))
-    what = "saved for backward, measured" if est.activations_measured else "not measured"
+    what = ("saved for backward, measured" if est.activations_measured
+            else "text only, images not measured" if est.activations_text_only else "not measured")
     lines.append(row(f"activations ({what})", est.activation_bytes))
     lines += ["-" * len(head), row("total per GPU", est.gpu_bytes)]
     if est.cpu_bytes:

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmfast.data.batch import batch_size_of, move_to_device, split_batch
+from vlmfast.data.batch import batch_size_of, move_to_device
+from vlmfast.data.batch_layout import BatchLayout
+from vlmfast.data.micro_batches import split_micro_batches
 from vlmfast.engines.collectives import all_reduce_sum, sum_and_max, sum_loss_and_flags, world_size
 from vlmfast.integrations import (
     after_agreement,
@@ -35,6 +37,7 @@ from vlmfast.integrations import (
     loop_of,
     no_sync,
 )
+from vlmfast.models.conventions import LabelConventions, probe_label_conventions
 from vlmfast.strategies.base import Step, Strategy
 from vlmfast.utils import unwrap_model
 
@@ -89,35 +92,34 @@ def count_loss_tokens(
     return int((labels != ignore_index).sum())
 
 
-def model_shifts_labels(model: nn.Module) -> bool:
-    """Whether the model's own loss predicts labels[t+1] at t (Hugging Face causal LMs and VLMs do)."""
-    model = unwrap_model(model)
-    declared = getattr(model, "loss_shifts_labels", None)
-    if declared is not None:
-        return bool(declared)
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
+def model_shifts_labels(model: nn.Module, batch: Any = None, *, label_key: str = "labels",
+                        ignore_index: int = -100) -> bool:
+    """Whether the model's own loss predicts labels[t+1] at t: measured on ``batch`` (or, for a model with token
+    embeddings, on a synthetic text sample) by :mod:`vlmfast.models.conventions`; raises when it cannot decide."""
+    from vlmfast.models.conventions import LabelConventionError, probe_label_conventions, synthetic_probe_batch
+
+    batch = batch if batch is not None else synthetic_probe_batch(model)
+    if batch is None:
+        declared = getattr(getattr(model, "module", model), "loss_shifts_labels", None)
+        if declared is not None:
+            return bool(declared)
+        raise LabelConventionError(f"cannot probe {type(model).__name__} without a batch: pass one, or set "
+                                   "loss.shift_labels (yes or no) in the spec")
+    return probe_label_conventions(model, batch, label_key=label_key, ignore_index=ignore_index).shifts_labels
+
+
+def model_accepts_num_items(model: nn.Module, batch: Any = None) -> bool:
+    """Whether the model honours `num_items_in_batch` (its loss halves when the count doubles): measured on
+    ``batch`` or a synthetic text sample; False when it cannot be measured (weighting its mean is exact then)."""
+    from vlmfast.models.conventions import probe_label_conventions, synthetic_probe_batch
+
+    params = inspect.signature(getattr(model, "module", model).forward).parameters
+    if "num_items_in_batch" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return False
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-
-        if getattr(model, "loss_type", None) in LOSS_MAPPING:
-            return LOSS_MAPPING[model.loss_type] is ForCausalLMLoss
-    except ImportError:
-        pass
-    return type(model).__name__.endswith(("ForCausalLM", "ForConditionalGeneration"))
-
-
-def model_accepts_num_items(model: nn.Module) -> bool:
-    """Whether forward takes `num_items_in_batch` (Hugging Face's loss-kwargs convention)."""
-    model = unwrap_model(model)
-    if hasattr(model, "accepts_loss_kwargs"):
-        return bool(model.accepts_loss_kwargs)
-    params = inspect.signature(model.forward).parameters
-    if "num_items_in_batch" in params:
-        return True
-    is_hf = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
-    return is_hf and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    batch = batch if batch is not None else synthetic_probe_batch(model)
+    if batch is None:
+        return False
+    return probe_label_conventions(model, batch).honours_num_items
 
 
 @dataclass
@@ -167,22 +169,41 @@ class GradientAccumulation(Strategy):
         self.last_split = (0, 0, 0)  # (micro-batches, size, last one's size) of the last plan: for the report
         self.batchnorm: list[str] = []  # BatchNorm layers in training mode change with the split: warned once
         self.resolved_weighting = weighting
+        self.model: nn.Module | None = None
+        self.layout: BatchLayout | None = None
+        self.conventions: LabelConventions | None = None
 
     def apply(self, model: nn.Module) -> nn.Module:
-        if self.shift_labels == "auto":
-            self.shift_labels = model_shifts_labels(model)
-        elif isinstance(self.shift_labels, str):
+        # Measured, not guessed: on the first batch's first micro-batch (vlmfast.models.conventions), see plan().
+        self.model = model
+        self.layout = BatchLayout.from_model(model)  # image / video token ids for splitting collated batches
+        if isinstance(self.shift_labels, str) and self.shift_labels != "auto":
             self.shift_labels = self.shift_labels == "yes"
-        self.passes_num_items = self.loss_fn is None and model_accepts_num_items(model)
         self.batchnorm = batchnorm_layers(model)
         return model
+
+    def _resolve_conventions(self, micro_batch: Any) -> None:
+        """Probe once whether the model shifts labels and honours num_items_in_batch (when labels are counted)."""
+        if self.conventions is not None or self.model is None:
+            return
+        if not (isinstance(micro_batch, Mapping) and isinstance(micro_batch.get(self.label_key), torch.Tensor)):
+            return  # no labels to count: the conventions do not matter (samples weighting or loss_fn counts)
+        loss_fn = self.loss_fn
+        self.conventions = probe_label_conventions(
+            self.model, micro_batch, label_key=self.label_key, ignore_index=self.ignore_index,
+            shift_labels=self.shift_labels if isinstance(self.shift_labels, bool) else None,
+            call=(lambda model, batch: loss_fn(model, batch)) if loss_fn is not None else None)
+        self.shift_labels = self.conventions.shifts_labels
+        self.passes_num_items = loss_fn is None and self.conventions.honours_num_items
 
     def plan(self, batch: Any, micro_batch_size: int | Any) -> AccumulationPlan:
         """Split `batch` and count its loss items (on the host, before it moves to the device); ranks agree on the
         total and on the number of micro-batches in one collective. `micro_batch_size` is a number of samples, or a
         size object that splits the batch itself (`.split(batch)`: vlmfast.strategies.token_budget.TokenBudget)."""
         splitter = getattr(micro_batch_size, "split", None)
-        micro_batches = splitter(batch) if splitter is not None else split_batch(batch, micro_batch_size)
+        micro_batches = (splitter(batch) if splitter is not None  # samples, collated per micro-batch
+                         else split_micro_batches(batch, micro_batch_size, self.layout))
+        self._resolve_conventions(micro_batches[0])
         token_counts = [self._count_tokens(mb) for mb in micro_batches]
         countable = all(n is not None for n in token_counts)
         weighting = self.resolved_weighting = self._resolve_weighting(countable)
@@ -260,7 +281,8 @@ class GradientAccumulation(Strategy):
         how = {"tokens": "weighted by loss tokens", "samples": "weighted by samples"}.get(
             self.resolved_weighting, f"weighting {self.resolved_weighting}")
         extra = ", num_items_in_batch passed to the model" if self.passes_num_items else ""
-        return f"accumulation: {split} per optimizer step, {how}{extra}"
+        found = f"; {self.conventions.describe()}" if self.conventions is not None else ""
+        return f"accumulation: {split} per optimizer step, {how}{extra}{found}"
 
 
 def batchnorm_layers(model: nn.Module) -> list[str]:

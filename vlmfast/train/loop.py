@@ -112,6 +112,9 @@ class OptimizedTrainer:
         self.loader = device_batches(  # data.device_prefetch: the next batch is copied while this step runs
             ResumableLoader(train_data, spec.batch_size, spec.data, spec.seed, self.collate_fn,
                             pin_memory=pin, rank=self.rank, world_size=self.world_size,
+                            # samples collated per micro-batch in the workers (not for packed rows or token budgets)
+                            micro_batch_size=None if spec.packing.enabled or spec.micro_batch_tokens
+                            else spec.resolved_micro_batch_size,
                             sample_check=SampleCheck.for_model(self.engine.module, spec.loss.label_key,
                                                                spec.loss.ignore_index)),
             spec.data, self.device)

@@ -1,0 +1,120 @@
+"""Any VLM, exactly: every zoo architecture trains through OptimizedTrainer with the full-batch update at any split.
+
+Per architecture (tiny configs, inputs from the real processors, 0 / 1 / 2 images per sample, see tests/zoo):
+micro-batches of 1, 3 and 8 samples of a batch of 8 give the update of one SGD step on the whole batch (within 1e-5
+of the largest update, fp32); the same through the user's own DataLoader (already collated batches, split by the
+key-aware splitter); the OOM fallback from 8 settles and gives the same update; activation checkpointing leaves it
+unchanged; bf16 trains. Public API only (OptimizedTrainer, TrainSpec, vlmfast.testing), so these survive a rewrite
+of the loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.testing import simulated_oom
+
+transformers = pytest.importorskip("transformers")
+from zoo import ZOO, build_case  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+TOLERANCE = 1e-5
+
+
+def spec(micro_batch_size: int = 8, **extra: object) -> TrainSpec:
+    """One SGD step (lr 1: the update is minus the gradient) on the 8 samples, fp32, on the CPU."""
+    base = {"max_steps": 1, "batch_size": 8, "micro_batch_size": micro_batch_size, "device": "cpu",
+            "optimizer": {"name": "sgd", "lr": 1.0}, "log": {"progress": "off"},
+            "memory": {"leak_check": False}}
+    return TrainSpec(**{**base, **extra})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP spin-waits cost 50x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=ZOO)
+def case(request):
+    """One case per architecture, with its reference: the update of one SGD step on the whole collated batch."""
+    built = build_case(request.param)
+    model = copy.deepcopy(built.model)
+    batch = built.collate_fn(built.samples)
+    loss = built.loss_fn(model, batch) if built.loss_fn else model(**batch).loss
+    loss.backward()
+    built.reference = {n: -p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    built.reference_loss = float(loss.detach())
+    return built
+
+
+def update_of(case, trainer_spec: TrainSpec, data=None, oom_limit: int | None = None):
+    """Train one step on a copy of the case's model; return (parameter change, the trainer, the fit result)."""
+    model = copy.deepcopy(case.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = OptimizedTrainer(model, data if data is not None else case.samples, trainer_spec,
+                               loss_fn=case.loss_fn, collate_fn=None if data is not None else case.collate_fn)
+    if oom_limit is None:
+        result = trainer.fit()
+    else:
+        with simulated_oom(oom_limit):
+            result = trainer.fit()
+    return {n: p.detach() - before[n] for n, p in model.named_parameters()}, trainer, result
+
+
+def assert_update_equal(update, reference, tolerance=TOLERANCE):
+    """Norm-relative over the whole update: ||update - reference|| <= tolerance * ||reference||."""
+    names = sorted(reference)
+    assert all(update[n].abs().max() == 0 for n in update if n not in reference)  # no gradient, no change
+    diff = torch.cat([(update[n] - reference[n]).flatten() for n in names]).double().norm()
+    scale = torch.cat([reference[n].flatten() for n in names]).double().norm()
+    assert scale > 0
+    assert diff <= tolerance * scale, f"update off by {float(diff / scale):.2e} of its norm"
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3, 8])
+def test_any_micro_batch_size_gives_the_full_batch_update(case, micro_batch_size):
+    update, trainer, result = update_of(case, spec(micro_batch_size))
+    assert_update_equal(update, case.reference)
+    assert trainer.state.micro_batch_size == micro_batch_size
+    assert result.history[0]["accumulation_steps"] == -(-8 // micro_batch_size)
+    assert result.history[0]["loss"] == pytest.approx(case.reference_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+def test_collated_batches_from_a_user_dataloader_split_by_sample(case, micro_batch_size):
+    """The user's own DataLoader hands over collated batches: the key-aware splitter keeps images with samples."""
+    loader = DataLoader(case.samples, batch_size=8, collate_fn=case.collate_fn)
+    update, _, _ = update_of(case, spec(micro_batch_size), data=loader)
+    assert_update_equal(update, case.reference)
+
+
+def test_oom_fallback_from_8_settles_and_gives_the_same_update(case, caplog):
+    with caplog.at_level(logging.WARNING, logger="vlmfast.strategies.oom"):
+        update, trainer, _ = update_of(case, spec(8, oom={"enabled": True}), oom_limit=3)
+    assert trainer.state.micro_batch_size == 2  # 8 -> 4 -> 2, the first size under the limit
+    assert "micro_batch_size 8 -> 4" in caplog.text
+    assert_update_equal(update, case.reference)
+
+
+def test_activation_checkpointing_leaves_the_update_unchanged(case):
+    checkpointing = {"enabled": True, "blocks": case.checkpoint_blocks}
+    update, _, _ = update_of(case, spec(3, activation_checkpointing=checkpointing))
+    assert_update_equal(update, case.reference)
+
+
+def test_bf16_trains(case):
+    update, _, result = update_of(case, spec(3, precision="bf16"))
+    assert torch.isfinite(torch.tensor(result.history[0]["loss"]))
+    assert result.history[0]["loss"] == pytest.approx(case.reference_loss, rel=5e-2)
+    assert any(u.abs().max() > 0 for u in update.values())

@@ -1,0 +1,390 @@
+"""The zoo's cases: tiny models, their processors around word-level tokenizers, and per-sample items.
+
+Every model has dropout 0 (micro-batches must give the full-batch gradient exactly) and a few thousand to ~60k
+parameters, so one forward/backward of 8 samples takes milliseconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+N_SAMPLES = 8
+IMAGES_PER_SAMPLE = (1, 0, 2, 1, 2, 0, 1, 1)  # 8 samples: text-only ones, and two images with text between them
+WORDS = tuple(f"w{i}" for i in range(40))
+
+
+@dataclass
+class ZooCase:
+    """A model, its per-sample items and the collate_fn that makes a batch of them (the real processor)."""
+
+    name: str
+    model: nn.Module
+    samples: list[Any]
+    collate_fn: Callable[[list[Any]], Any]
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None
+    image_token_ids: tuple[int, ...] = ()
+    checkpoint_blocks: list[str] = field(default_factory=list)  # activation_checkpointing.blocks, when not found
+    notes: list[str] = field(default_factory=list)
+
+
+# ---- tokenizers and processors ----------------------------------------------------------------------------------
+
+def word_tokenizer(special: list[str], **roles: str) -> Any:
+    """A word-level tokenizer over ``WORDS`` whose ``special`` tokens (image tokens...) are never split."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([*special, *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=roles.get("unk_token", special[1])))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(special)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **roles)
+
+
+def images_only(processor_class: type) -> type:
+    """The real processor class, built without its video processor (which needs torchvision, absent here)."""
+
+    class ImagesOnly(processor_class):  # type: ignore[misc, valid-type]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument is None and "video" in argument_name:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
+    return ImagesOnly
+
+
+def _rng_images(seed: int, sizes: list[tuple[int, int]]) -> list[np.ndarray]:
+    g = np.random.default_rng(seed)
+    return [g.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def _items(seed: int, sizes: list[tuple[int, int]], images: bool = True) -> list[dict[str, Any]]:
+    """8 samples: 3 to 12 words each, and IMAGES_PER_SAMPLE images of the given sizes (cycled)."""
+    r = random.Random(seed)
+    pool = _rng_images(seed, sizes)
+    out = []
+    for i in range(N_SAMPLES):
+        text = " ".join(r.choice(WORDS) for _ in range(r.randint(3, 12)))
+        count = IMAGES_PER_SAMPLE[i] if images else 0
+        out.append({"text": text, "images": [pool[(i + k) % len(pool)] for k in range(count)]})
+    return out
+
+
+@dataclass
+class ProcessorCollate:
+    """collate_fn: each image's placeholder followed by a word, then the text; labels = input_ids but for the
+    ``ignore_ids`` (padding, image and other special tokens), which get -100."""
+
+    processor: Any
+    placeholder: str
+    ignore_ids: tuple[int, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        texts = [" ".join([f"{self.placeholder} {WORDS[k]}" for k in range(len(s["images"]))] + [s["text"]])
+                 for s in samples]
+        images = [list(s["images"]) for s in samples]
+        kwargs: dict[str, Any] = {"text": texts, "padding": True, "return_tensors": "pt", **self.extra}
+        if any(images):
+            kwargs["images"] = images
+        batch = dict(self.processor(**kwargs))
+        batch["labels"] = _labels(batch["input_ids"], self.ignore_ids)
+        return batch
+
+
+def _labels(input_ids: torch.Tensor, ignore_ids: tuple[int, ...]) -> torch.Tensor:
+    return input_ids.masked_fill(torch.isin(input_ids, torch.tensor(ignore_ids)), -100)
+
+
+def _text_config(vocab: int, **extra: Any) -> dict[str, Any]:
+    return dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, **extra)
+
+
+# ---- the cases ------------------------------------------------------------------------------------------------
+
+def _qwen2_vl(seed: int, version: str = "2") -> ZooCase:
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
+               "<|video_pad|>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 84, patch_size=14,
+                                                 merge_size=2, temporal_patch_size=2)
+    processor_class = T.Qwen2VLProcessor if version == "2" else T.Qwen2_5_VLProcessor
+    processor = images_only(processor_class)(image_processor=image_processor, tokenizer=tokenizer,
+                                             video_processor=None)
+    text = _text_config(len(tokenizer), bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=0,
+                        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4})
+    vision = dict(depth=1, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    token_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                     vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    if version == "2":
+        config = T.Qwen2VLConfig(text_config=text, vision_config=dict(vision, embed_dim=16, hidden_size=32),
+                                 **token_ids)
+        model = T.Qwen2VLForConditionalGeneration(config)
+    else:
+        config = T.Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+            vision, hidden_size=16, out_hidden_size=32, intermediate_size=32, window_size=56,
+            fullatt_block_indexes=[0]), **token_ids)
+        model = T.Qwen2_5_VLForConditionalGeneration(config)
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    collate = ProcessorCollate(processor, placeholder, tuple(ids.values()))
+    samples = _items(seed, [(56, 56), (56, 84), (84, 56)])
+    return ZooCase(f"qwen2{'_5' if version != '2' else ''}_vl", model, samples, collate,
+                   image_token_ids=(ids["<|image_pad|>"],))
+
+
+def _llava(seed: int) -> ZooCase:
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<image>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    image_processor = T.CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    processor = T.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                                 vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    torch.manual_seed(seed)
+    vision = T.CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=4)
+    config = T.LlavaConfig(vision_config=vision, text_config=T.LlamaConfig(**_text_config(len(tokenizer))),
+                           image_token_id=image_id, vision_feature_select_strategy="default")
+    model = T.LlavaForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<image>", (0, 1, 2, 3, image_id))
+    return ZooCase("llava", model, _items(seed, [(20, 24), (16, 16)]), collate, image_token_ids=(image_id,))
+
+
+def _llava_next(seed: int) -> ZooCase:
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<image>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    image_processor = T.LlavaNextImageProcessorPil(
+        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])
+    processor = T.LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                                     vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    torch.manual_seed(seed)
+    vision = T.CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=4)
+    config = T.LlavaNextConfig(vision_config=vision, text_config=T.LlamaConfig(**_text_config(len(tokenizer))),
+                               image_token_id=image_id, vision_feature_select_strategy="default",
+                               image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])
+    model = T.LlavaNextForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<image>", (0, 1, 2, 3, image_id))
+    return ZooCase("llava_next", model, _items(seed, [(16, 32), (32, 32), (32, 16)]), collate,
+                   image_token_ids=(image_id,))
+
+
+def _idefics3(seed: int) -> ZooCase:
+    """Idefics3, whose model and processor SmolVLM shares (SmolVLM's processor needs num2words, not installed)."""
+    import transformers as T
+
+    rows = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>",
+               "<global-img>", *rows]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=32, patch_size=8)
+    image_processor = T.Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = T.Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4)
+    torch.manual_seed(seed)
+    config = T.Idefics3Config(vision_config=vision, text_config=_text_config(len(tokenizer), pad_token_id=0),
+                              image_token_id=image_id, scale_factor=2)
+    model = T.Idefics3ForConditionalGeneration(config)
+    ignore = tuple(tokenizer.convert_tokens_to_ids(t) for t in special)
+    collate = ProcessorCollate(processor, "<image>", ignore)
+    return ZooCase("idefics3", model, _items(seed, [(32, 32), (32, 48), (48, 32)]), collate,
+                   image_token_ids=(image_id,))
+
+
+@dataclass
+class PaliGemmaCollate:
+    """PaliGemma's processor writes the image tokens and the prefix itself; the suffix becomes the labels."""
+
+    processor: Any
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        words = [s["text"].split() for s in samples]
+        prefixes = [" ".join(w[: max(1, len(w) // 3)]) for w in words]
+        suffixes = [" ".join(w[max(1, len(w) // 3):]) for w in words]
+        images = [list(s["images"]) for s in samples]
+        batch = self.processor(text=prefixes, suffix=suffixes, images=images, padding="longest",
+                               return_tensors="pt")
+        return dict(batch)
+
+
+def _paligemma(seed: int) -> ZooCase:
+    import transformers as T
+
+    special = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>")
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    image_processor = T.SiglipImageProcessorPil(size={"height": 16, "width": 16})
+    image_processor.image_seq_length = 4
+    processor = T.PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    torch.manual_seed(seed)
+    vision = T.SiglipVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2)
+    text = T.GemmaConfig(**_text_config(len(tokenizer), head_dim=8, pad_token_id=0))
+    config = T.PaliGemmaConfig(vision_config=vision, text_config=text, image_token_id=image_id,
+                               projection_dim=32)
+    model = T.PaliGemmaForConditionalGeneration(config)
+    samples = _items(seed, [(16, 16), (24, 16)])
+    for sample in samples:  # PaliGemma takes at least one image per sample
+        sample["images"] = sample["images"] or _rng_images(seed + 1, [(16, 16)])
+    return ZooCase("paligemma", model, samples, PaliGemmaCollate(processor), image_token_ids=(image_id,),
+                   notes=["every sample has 1 or 2 images: the PaliGemma processor takes no text-only sample"])
+
+
+def _mllama(seed: int) -> ZooCase:
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<|begin_of_text|>", "<|end_of_text|>", "<|image|>", "<|python_tag|>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<|begin_of_text|>",
+                               eos_token="<|end_of_text|>")
+    image_id = tokenizer.convert_tokens_to_ids("<|image|>")
+    image_processor = T.MllamaImageProcessorPil(size={"height": 16, "width": 16}, max_image_tiles=2)
+    processor = T.MllamaProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    torch.manual_seed(seed)
+    vision = T.MllamaVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                                  max_num_tiles=2, vision_output_dim=64, intermediate_layers_indices=[0],
+                                  supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+    text = T.MllamaTextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              cross_attention_layers=[1], pad_token_id=0)
+    config = T.MllamaConfig(vision_config=vision, text_config=text, image_token_index=image_id)
+    model = T.MllamaForConditionalGeneration(config)
+    collate = MllamaCollate(ProcessorCollate(processor, "<|image|>", (0, 1, 2, 3, image_id)))
+    return ZooCase("mllama", model, _items(seed, [(16, 16), (16, 32), (32, 16)]), collate,
+                   image_token_ids=(image_id,), notes=[MllamaCollate.__doc__ or ""])
+
+
+@dataclass
+class MllamaCollate:
+    """The processor's batch, padded to 2 image slots x 2 tiles for every batch (text-only ones too).
+
+    Mllama lets a text row with no image attend to *all* image slots of its sample, padding included (Hugging Face's
+    ``_prepare_cross_attention_mask`` unmasks fully masked rows, and only the MLP output is zeroed for them): its
+    gradient depends on how many slots the collated batch pads to. With a fixed number of slots a sample sees the
+    same thing in any micro-batch, as the exact full-batch gradient needs.
+    """
+
+    inner: ProcessorCollate
+    images: int = 2
+    tiles: int = 2
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.inner(samples)
+        b, length = batch["input_ids"].shape
+        if "pixel_values" not in batch:  # text-only: empty slots, as the processor pads them
+            batch["pixel_values"] = torch.zeros(b, 0, self.tiles, 3, 16, 16)
+            batch["aspect_ratio_ids"] = torch.zeros(b, 0, dtype=torch.long)
+            batch["aspect_ratio_mask"] = torch.zeros(b, 0, self.tiles, dtype=torch.long)
+            batch["cross_attention_mask"] = torch.zeros(b, length, 0, self.tiles, dtype=torch.long)
+        pad_images = self.images - batch["pixel_values"].shape[1]
+        pad_tiles = self.tiles - batch["pixel_values"].shape[2]
+        batch["pixel_values"] = F.pad(batch["pixel_values"], (0, 0, 0, 0, 0, 0, 0, pad_tiles, 0, pad_images))
+        batch["aspect_ratio_ids"] = F.pad(batch["aspect_ratio_ids"], (0, pad_images))
+        mask = F.pad(batch["aspect_ratio_mask"], (0, pad_tiles, 0, pad_images))
+        mask[:, :, 0] = 1  # a padding image has its first tile marked, as the processor marks it
+        batch["aspect_ratio_mask"] = mask
+        batch["cross_attention_mask"] = F.pad(batch["cross_attention_mask"], (0, pad_tiles, 0, pad_images))
+        return batch
+
+
+@dataclass
+class TextCollate:
+    """Tokenise and pad; labels = input_ids but padding."""
+
+    tokenizer: Any
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = dict(self.tokenizer([s["text"] for s in samples], padding=True, return_tensors="pt"))
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return batch
+
+
+def _llama(seed: int) -> ZooCase:
+    import transformers as T
+
+    tokenizer = word_tokenizer(["<pad>", "<unk>", "<s>", "</s>"], pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(seed)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**_text_config(len(tokenizer), pad_token_id=0)))
+    return ZooCase("llama", model, _items(seed, [], images=False), TextCollate(tokenizer))
+
+
+def _gpt2(seed: int, double_heads: bool = False) -> ZooCase:
+    import transformers as T
+
+    tokenizer = word_tokenizer(["<pad>", "<unk>", "<|endoftext|>"], pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(seed)
+    config = T.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+    model = (T.GPT2DoubleHeadsModel if double_heads else T.GPT2LMHeadModel)(config)
+    name = "gpt2_double_heads" if double_heads else "gpt2"
+    return ZooCase(name, model, _items(seed, [], images=False), TextCollate(tokenizer))
+
+
+class TinyCNN(nn.Module):
+    """A plain CNN classifier; its loss is the user's loss_fn (mean over samples)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+def cnn_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The mean cross-entropy of a (images, classes) batch."""
+    images, classes = batch
+    return F.cross_entropy(model(images), classes)
+
+
+def _cnn(seed: int) -> ZooCase:
+    g = torch.Generator().manual_seed(seed)
+    samples = [(torch.rand(3, 8, 8, generator=g), int(torch.randint(0, 5, (), generator=g)))
+               for _ in range(N_SAMPLES)]
+    torch.manual_seed(seed)
+    from torch.utils.data import default_collate
+
+    return ZooCase("cnn", TinyCNN(), samples, default_collate, loss_fn=cnn_loss, checkpoint_blocks=["conv"])
+
+
+BUILDERS: dict[str, Callable[[int], ZooCase]] = {
+    "qwen2_vl": _qwen2_vl,
+    "qwen2_5_vl": lambda seed: _qwen2_vl(seed, version="2.5"),
+    "llava": _llava,
+    "llava_next": _llava_next,
+    "idefics3": _idefics3,
+    "paligemma": _paligemma,
+    "mllama": _mllama,
+    "llama": _llama,
+    "gpt2": _gpt2,
+    "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
+    "cnn": _cnn,
+}
+ZOO = tuple(BUILDERS)
+VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama")
+
+
+def build_case(name: str, seed: int = 0) -> ZooCase:
+    """A fresh case (new model, seeded weights). Usage: ``build_case("llava_next")``"""
+    return BUILDERS[name](seed)

@@ -1,0 +1,331 @@
+"""Splitting an already collated batch into micro-batches of samples, by rules that know each key's layout.
+
+A batch that arrives collated (the user's own DataLoader) holds tensors of different layouts: text keys have one
+row per sample, but a Qwen2-VL ``pixel_values`` holds the patches of all images of all samples (``image_grid_thw``
+says how many each image has), a LLaVA / PaliGemma ``pixel_values`` one row per *image* (0, 1 or 2 per sample), a
+LLaVA-NeXT one row per image with its tiles (``image_sizes``). Slicing every tensor whose first dimension happens to
+equal the batch size splits those wrongly or not at all. The rules here:
+
+- text keys (``input_ids``, ``attention_mask``, ``labels``, ...) and any other tensor whose first dimension is the
+  number of samples: sliced by sample; mRoPE ``position_ids`` ``[3 or 4, samples, T]`` along their sample dimension;
+- per-image (and per-video) tensors: each sample's items are found from its image tokens in ``input_ids`` (the ids
+  come from the model: :meth:`BatchLayout.from_model`): by each image's token count (flattened patches +
+  ``image_grid_thw``: patches / tokens is the merge factor), by the fixed tokens per image (LLaVA, PaliGemma), or by
+  counting runs of image tokens (``image_sizes`` tiles, whose token counts vary); the counts must add up exactly;
+- per-sample image tensors (Idefics3 / SmolVLM with ``pixel_attention_mask``, Mllama with ``aspect_ratio_ids``,
+  vlmfast's packed ``images_per_row``): sliced by sample;
+- a micro-batch whose samples have no image in a per-image layout, or whose ``pixel_attention_mask`` shows no
+  real pixel, gets no image keys (what a processor returns for text-only samples); other per-sample image tensors
+  keep their padding (Mllama's text rows attend to it);
+- scalars (0-d tensors, numbers, strings, None) go to every micro-batch; lists of one item per sample are sliced.
+
+Anything else is refused with a :class:`BatchSplitError` that names the key and what to do instead: a tensor is
+never passed whole to every micro-batch, and never sliced by a guess.
+
+Usage::
+
+    micro_batches = split_collated(batch, 3, BatchLayout.from_model(model))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BatchLayout", "BatchSplitError", "num_samples", "split_collated"]
+
+ANCHOR_KEYS = ("input_ids", "attention_mask", "labels", "inputs_embeds", "token_type_ids")
+PER_SAMPLE_IMAGE_MARKERS = ("pixel_attention_mask", "aspect_ratio_ids", "aspect_ratio_mask", "images_per_row")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "aspect_ratio_ids",
+              "aspect_ratio_mask", "cross_attention_mask", "images_per_row")
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+SCALARS = (int, float, bool, str, bytes, type(None))
+_DROP = object()
+
+FIX = ("pass the Dataset (and your collate_fn) to OptimizedTrainer instead of a DataLoader, so that each micro-batch "
+       "is collated from its own samples; or set micro_batch_size to batch_size (and oom.enabled: false)")
+
+
+class BatchSplitError(ValueError):
+    """A collated batch cannot be split by sample without guessing; the message names the key and what to do."""
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The token ids that stand for an image / a video in ``input_ids`` (what the splitter needs from the model).
+
+    Usage: ``BatchLayout.from_model(model)`` or ``BatchLayout(image_token_ids=(151655,))``
+    """
+
+    image_token_ids: tuple[int, ...] = ()
+    video_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_model(cls, model: nn.Module | None) -> BatchLayout:
+        """Read the ids from a Hugging Face style config (``image_token_id`` / ``image_token_index`` ...)."""
+        model = getattr(model, "module", model)
+        model = getattr(model, "_orig_mod", model)  # torch.compile
+        config = getattr(model, "config", None)
+        if config is None:
+            return cls()
+        return cls(_config_ids(config, ("image_token_id", "image_token_index")),
+                   _config_ids(config, ("video_token_id", "video_token_index")))
+
+
+def _config_ids(config: Any, names: Sequence[str]) -> tuple[int, ...]:
+    found = []
+    for cfg in (config, getattr(config, "text_config", None)):
+        for name in names:
+            value = getattr(cfg, name, None)
+            if isinstance(value, int) and value >= 0 and value not in found:
+                found.append(value)
+    return tuple(found)
+
+
+def num_samples(batch: Any) -> int:
+    """Samples in a collated batch: dim 0 of its text keys (``input_ids`` ...), else of its first tensor."""
+    if isinstance(batch, Mapping):
+        for key in ANCHOR_KEYS:
+            value = batch.get(key)
+            if isinstance(value, Tensor) and value.dim() > 0:
+                return value.shape[0]
+    tensor = _first_tensor(batch)
+    if tensor is not None:
+        return tensor.shape[0]
+    if isinstance(batch, (list, tuple)):
+        return len(batch)
+    raise TypeError(f"cannot find the number of samples of a {type(batch).__name__}: it holds no tensor")
+
+
+def _first_tensor(obj: Any) -> Tensor | None:
+    if isinstance(obj, Tensor):
+        return obj if obj.dim() > 0 else None
+    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def split_collated(batch: Any, micro_batch_size: int, layout: BatchLayout | None = None) -> list[Any]:
+    """Micro-batches of ``micro_batch_size`` samples (the last may be smaller) of a collated batch (module doc)."""
+    n = num_samples(batch)
+    if micro_batch_size >= n:
+        return [batch]
+    bounds = [(start, min(start + micro_batch_size, n)) for start in range(0, n, micro_batch_size)]
+    if isinstance(batch, Mapping):
+        rules = _mapping_rules(batch, n, layout or BatchLayout())
+        parts = [{k: rules[k](a, b) for k in batch} for a, b in bounds]  # the batch's key order
+        return [_rebuild(batch, {k: v for k, v in part.items() if v is not _DROP}) for part in parts]
+    rule = _generic_rule(batch, n, "the batch")
+    return [rule(a, b) for a, b in bounds]
+
+
+def _rebuild(batch: Mapping[str, Any], values: dict[str, Any]) -> Any:
+    try:
+        return type(batch)(values)  # dict, OrderedDict, BatchFeature...
+    except TypeError:
+        return dict(values)
+
+
+Rule = Callable[[int, int], Any]
+
+
+def _mapping_rules(batch: Mapping[str, Any], n: int, layout: BatchLayout) -> dict[str, Rule]:
+    rules: dict[str, Rule] = {}
+    image_tokens = _token_mask(batch, layout.image_token_ids)
+    video_tokens = _token_mask(batch, layout.video_token_ids)
+    rules.update(_image_rules(batch, n, image_tokens))
+    rules.update(_stream_rules(batch, n, video_tokens, "pixel_values_videos", "video_grid_thw",
+                               ("second_per_grid_ts",), "video"))
+    for key, value in batch.items():
+        if key in rules:
+            continue
+        if key == "position_ids" and isinstance(value, Tensor) and value.dim() == 3 and value.shape[1] == n \
+                and value.shape[0] != n:
+            rules[key] = lambda a, b, v=value: v[:, a:b]  # mRoPE: [channels, samples, T]
+        else:
+            rules[key] = _generic_rule(value, n, f"'{key}'")
+    return rules
+
+
+def _token_mask(batch: Mapping[str, Any], token_ids: tuple[int, ...]) -> Tensor | None:
+    ids = batch.get("input_ids")
+    if not token_ids or not isinstance(ids, Tensor) or ids.dim() != 2:
+        return None
+    return torch.isin(ids, torch.tensor(token_ids, device=ids.device))
+
+
+def _image_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None) -> dict[str, Rule]:
+    present = [k for k in IMAGE_KEYS if k in batch]
+    if not present:
+        return {}
+    if any(k in batch for k in PER_SAMPLE_IMAGE_MARKERS) or (
+            "image_grid_thw" not in batch and "image_sizes" not in batch and _per_sample_pixels(batch, n, tokens)):
+        # Sliced with their padding: what the whole batch gave the samples (Mllama's text rows without an image
+        # attend to the padding slots, so dropping those would change the gradient). Only where a pixel mask proves
+        # a micro-batch holds no real image (Idefics3, whose vision tower cannot run on padding alone) are the keys
+        # dropped, as its processor does for text-only samples.
+        return {k: _unless_no_pixels(_generic_rule(batch[k], n, f"'{k}'"), batch.get("pixel_attention_mask"), n)
+                for k in present}
+    return _stream_rules(batch, n, tokens, "pixel_values", "image_grid_thw", ("image_sizes",), "image")
+
+
+def _per_sample_pixels(batch: Mapping[str, Any], n: int, tokens: Tensor | None) -> bool:
+    """A bare ``pixel_values`` is one row per sample only when no image tokens say otherwise (e.g. vlmfast's tiny
+    VLM, which puts its image before the text); with image tokens it is one row per image (LLaVA, PaliGemma)."""
+    pixels = batch.get("pixel_values")
+    has_tokens = tokens is not None and bool(tokens.any())
+    return isinstance(pixels, Tensor) and pixels.dim() > 0 and pixels.shape[0] == n and not has_tokens
+
+
+def _unless_no_pixels(rule: Rule, pixel_mask: Any, n: int) -> Rule:
+    if not (isinstance(pixel_mask, Tensor) and pixel_mask.dim() > 0 and pixel_mask.shape[0] == n):
+        return rule
+    real = pixel_mask.flatten(1).any(dim=1)
+    return lambda a, b: rule(a, b) if bool(real[a:b].any()) else _DROP
+
+
+def _stream_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None, data_key: str, grid_key: str,
+                  item_keys: tuple[str, ...], what: str) -> dict[str, Rule]:
+    """Rules for the per-item tensors of one stream (images or videos): each sample's items, found from its tokens."""
+    keys = [k for k in (data_key, grid_key, *item_keys) if k in batch]
+    if not keys:
+        return {}
+    items, rows = _items(batch, data_key, grid_key, item_keys)
+    counts = _items_per_sample(batch, tokens, items, rows, grid_key, item_keys, what, keys)
+    starts = [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()]  # first item of each sample
+    row_starts = [0, *torch.tensor(rows, dtype=torch.long).cumsum(0).tolist()] if rows is not None else []
+
+    def rule_for(key: str) -> Rule:
+        value = batch[key]
+        # Flattened patches: the rows of the samples' images; any other key: one row per item.
+        first = row_starts if key == data_key and rows is not None else list(range(items + 1))
+
+        def rule(a: int, b: int) -> Any:
+            if starts[b] == starts[a]:
+                return _DROP  # no item in these samples: no key, as a processor returns for text-only samples
+            return value[first[starts[a]]:first[starts[b]]]
+        return rule
+
+    for key in keys:
+        if not isinstance(batch[key], (Tensor, list, tuple)):
+            raise BatchSplitError(f"cannot split the batch into micro-batches of samples: '{key}' is a "
+                                  f"{type(batch[key]).__name__}, expected a tensor of one row per {what}; {FIX}")
+    return {key: rule_for(key) for key in keys}
+
+
+def _items(batch: Mapping[str, Any], data_key: str, grid_key: str,
+           item_keys: tuple[str, ...]) -> tuple[int, list[int] | None]:
+    """(number of items, rows of ``data_key`` per item when it holds flattened patches, else None)."""
+    grid = batch.get(grid_key)
+    if isinstance(grid, Tensor):
+        return grid.shape[0], grid.prod(dim=-1).tolist()
+    for key in (*item_keys, data_key):
+        value = batch.get(key)
+        if isinstance(value, Tensor) and value.dim() > 0:
+            return value.shape[0], None
+        if isinstance(value, (list, tuple)):
+            return len(value), None
+    return 0, None
+
+
+def _items_per_sample(batch: Mapping[str, Any], tokens: Tensor | None, items: int, rows: list[int] | None,
+                      grid_key: str, item_keys: tuple[str, ...], what: str, keys: list[str]) -> list[int]:
+    named = f"'{keys[0]}'" + (f" (with {', '.join(repr(k) for k in keys[1:])})" if len(keys) > 1 else "")
+    if tokens is None:
+        raise BatchSplitError(
+            f"cannot split the batch into micro-batches of samples: {named} holds the {what}s of all samples, and "
+            f"vlmfast finds each sample's {what}s from its {what} tokens in input_ids, but the {what} token id is "
+            f"unknown (the model's config has no {what}_token_id; pass layout=BatchLayout({what}_token_ids=(id,))) "
+            f"or input_ids is missing; or {FIX}")
+    per_sample = tokens.sum(dim=1).tolist()
+    if rows is not None:
+        counts = _counts_by_token_length(per_sample, rows)
+        how = f"each {what}'s tokens ({grid_key} patches / merge factor)"
+    elif any(k in batch for k in item_keys):
+        counts = _counts_by_runs(tokens)
+        how = f"runs of {what} tokens per sample"
+    else:
+        counts = _counts_by_fixed_length(per_sample, items) or _counts_by_runs(tokens)
+        how = f"a fixed number of tokens per {what}, or runs of {what} tokens"
+    if counts is None or sum(counts) != items:
+        found = "no consistent assignment" if counts is None else f"{sum(counts)} {what}(s)"
+        raise BatchSplitError(
+            f"cannot split the batch into micro-batches of samples: {named} holds {items} {what}(s), but counting "
+            f"{how} in input_ids gives {found}; vlmfast will not guess which {what} belongs to which sample "
+            f"(two {what}s with no text between them look like one); {FIX}")
+    return counts
+
+
+def _counts_by_token_length(per_sample: list[int], rows: list[int]) -> list[int] | None:
+    """Items per sample when item i has rows[i] / m tokens (m: the merge factor, patches per token)."""
+    total_tokens, total_rows = sum(per_sample), sum(rows)
+    if total_tokens == 0 or total_rows % total_tokens:
+        return None
+    merge = total_rows // total_tokens
+    if any(r % merge for r in rows):
+        return None
+    lengths, counts, i = [r // merge for r in rows], [], 0
+    for need in per_sample:
+        taken = 0
+        while need > 0 and i < len(lengths):
+            need -= lengths[i]
+            i, taken = i + 1, taken + 1
+        if need != 0:
+            return None
+        counts.append(taken)
+    return counts if i == len(lengths) else None
+
+
+def _counts_by_fixed_length(per_sample: list[int], items: int) -> list[int] | None:
+    total = sum(per_sample)
+    if items == 0 or total % items:
+        return None
+    length = total // items
+    if length == 0 or any(t % length for t in per_sample):
+        return None
+    return [t // length for t in per_sample]
+
+
+def _counts_by_runs(tokens: Tensor) -> list[int]:
+    starts = tokens.clone()
+    starts[:, 1:] &= ~tokens[:, :-1]
+    return starts.sum(dim=1).tolist()
+
+
+def _generic_rule(value: Any, n: int, name: str) -> Rule:
+    """Per-sample slicing for a value whose layout is one row (item) per sample; scalars go everywhere."""
+    if isinstance(value, Tensor):
+        if value.dim() == 0:
+            return lambda a, b: value
+        if value.shape[0] == n:
+            return lambda a, b: value[a:b]
+        raise BatchSplitError(
+            f"cannot split the batch into micro-batches of samples: {name} has shape {tuple(value.shape)}, whose "
+            f"first dimension is not the {n} samples, and vlmfast does not know its layout; {FIX}")
+    if isinstance(value, SCALARS):
+        return lambda a, b: value
+    if isinstance(value, Mapping):
+        rules = {k: _generic_rule(v, n, f"'{k}' in {name}") for k, v in value.items()}
+        return lambda a, b: _rebuild(value, {k: r(a, b) for k, r in rules.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        rules_nt = [_generic_rule(v, n, f"{name}.{f}") for f, v in zip(value._fields, value, strict=True)]
+        return lambda a, b: type(value)(*(r(a, b) for r in rules_nt))
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n for v in value) or (
+                len(value) != n and any(isinstance(v, Tensor) for v in value)):
+            rules_seq = [_generic_rule(v, n, f"{name}[{i}]") for i, v in enumerate(value)]  # positional batch
+            return lambda a, b: type(value)(r(a, b) for r in rules_seq)
+        if len(value) == n:
+            return lambda a, b: value[a:b]  # one item per sample (captions, per-sample tensors)
+        raise BatchSplitError(
+            f"cannot split the batch into micro-batches of samples: {name} is a {type(value).__name__} of "
+            f"{len(value)} items for {n} samples, and vlmfast does not know its layout; {FIX}")
+    raise BatchSplitError(f"cannot split the batch into micro-batches of samples: {name} is a {type(value).__name__}"
+                          f", which vlmfast does not know how to split; {FIX}")
