@@ -82,7 +82,7 @@ if [ "$DRY_RUN" = 1 ]; then
   run attention_packed 120 "$PYTHON" benchmarks/attention.py --lengths 64 --repeats 1 --reps-per-round 1 \
     --packed 4 --out "$OUT/attention_packed4.json"
   run headroom 240 "$PYTHON" benchmarks/headroom.py --quick --batch-size 2 --out "$OUT"
-  # hf-best then fabric-best: the order that made Fabric's TF32 check raise on a GPU (see vlmfast/strategies/tf32.py)
+  # hf-best then fabric-best: the order that made Fabric's TF32 check raise on a GPU (see vlmfast/tf32.py)
   run compare 300 "$PYTHON" benchmarks/compare.py --quick --no-headroom --batch-size 2 \
     --configs hf-best,fabric-best --out "$OUT"
   run sync_check 180 "$PYTHON" benchmarks/sync_check.py --steps 2 --batch-size 4 --configs default packing \

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlmfast.attention.documents import PackedDocuments
+from vlmfast.attention.documents import PackedDocuments, block_mask_for
 
 __all__ = ["BACKENDS", "SDPA_KERNELS", "AttentionInputs", "Backend"]
 
@@ -223,24 +223,6 @@ def _compiled_flex() -> Callable[..., Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=None)
-
-
-@functools.cache
-def _compiled_create_block_mask() -> Callable[..., Any]:
-    """``torch.compile(create_block_mask)``: what torch 2.13 recommends over its deprecated ``_compile=True`` (the
-    uncompiled version materialises the [B, H, Q, KV] mask to find the blocks, per forward)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return torch.compile(create_block_mask, dynamic=None)
-
-
-def block_mask_for(mask_mod: Callable[..., Tensor], b: int | None, q_len: int, k_len: int,
-                   device: torch.device | str) -> Any:
-    """A flex ``BlockMask``: built by the compiled ``create_block_mask`` on CUDA, eagerly elsewhere."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    build = _compiled_create_block_mask() if torch.device(device).type == "cuda" else create_block_mask
-    return build(mask_mod, b, None, q_len, k_len, device=device)
 
 
 def flex_attention(q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs) -> Tensor:

@@ -25,7 +25,9 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,8 +138,6 @@ class PackedDocuments:
 
     def block_mask(self, causal: bool, num_heads: int | None = None) -> Any:
         """A flex-attention ``BlockMask`` for the same rule (blocks that cross documents are skipped entirely)."""
-        from vlmfast.attention.backends import block_mask_for  # backends imports this module
-
         key = ("block", causal)
         if key not in self._cache:
             ids = self.ids
@@ -178,3 +178,21 @@ class PackedDocuments:
 
 def _starts(row: list[int]) -> list[int]:
     return list(itertools.accumulate(row[:-1], initial=0))
+
+
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., Any]:
+    """``torch.compile(create_block_mask)``: what torch 2.13 recommends over its deprecated ``_compile=True`` (the
+    uncompiled version materialises the [B, H, Q, KV] mask to find the blocks, per forward)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=None)
+
+
+def block_mask_for(mask_mod: Callable[..., Tensor], b: int | None, q_len: int, k_len: int,
+                   device: torch.device | str) -> Any:
+    """A flex ``BlockMask``: built by the compiled ``create_block_mask`` on CUDA, eagerly elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    build = _compiled_create_block_mask() if torch.device(device).type == "cuda" else create_block_mask
+    return build(mask_mod, b, None, q_len, k_len, device=device)

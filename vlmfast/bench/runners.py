@@ -32,7 +32,7 @@ from vlmfast.bench.workload import Workload, evaluate_loss
 from vlmfast.data.batch import move_to_device
 from vlmfast.memory.stats import GB
 from vlmfast.strategies.precision import autocast_context
-from vlmfast.strategies.tf32 import restore_tf32_state, set_tf32, tf32_state
+from vlmfast.tf32 import restore_tf32_state, set_tf32, tf32_state
 
 __all__ = ["RunResult", "Settings", "accelerate_loop", "fabric_loop", "hand_written", "hf_trainer", "vlmfast_run"]
 

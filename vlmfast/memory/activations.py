@@ -295,7 +295,7 @@ class BatchProbe:
     def __call__(self, micro_batch_size: int) -> Any:
         from accelerate.utils import send_to_device
 
-        from vlmfast.strategies.accumulation import call_model
+        from vlmfast.models.outputs import call_model
 
         part = send_to_device(self.micro_batch(micro_batch_size), _first_param(self.model).device)
         return call_model(self.model, part)

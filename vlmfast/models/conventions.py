@@ -143,7 +143,7 @@ class _Runner:
         return _Quiet(self.model, devices)
 
     def loss(self, batch: dict[str, Any], **extra: Any) -> float:
-        from vlmfast.strategies.accumulation import call_model, extract_loss
+        from vlmfast.models.outputs import call_model, extract_loss
 
         batch = send_to_device(batch, self.device)
         if self.dtype in (torch.bfloat16, torch.float16):  # weights cast by the backend (DeepSpeed): inputs too
@@ -201,7 +201,7 @@ def _probe_shift(run: _Runner, sample: dict[str, Any], label_key: str, ignore_in
         loss_first = run.loss(_with_labels(sample, label_key, first))
         loss_last = run.loss(_with_labels(sample, label_key, last))
     except Exception as exc:  # a model that cannot run on one sample with these labels
-        from vlmfast.strategies.oom import is_oom_error
+        from vlmfast.memory.oom_errors import is_oom_error
 
         if is_oom_error(exc):  # the OOM fallback's business, not a convention
             raise
@@ -242,7 +242,7 @@ def _probe_num_items(run: _Runner, sample: dict[str, Any]) -> tuple[bool, str]:
     except TypeError:
         return False, "refused (TypeError)"
     except Exception as exc:  # e.g. a model that passes unknown kwargs on to a module that rejects them
-        from vlmfast.strategies.oom import is_oom_error
+        from vlmfast.memory.oom_errors import is_oom_error
 
         if is_oom_error(exc):
             raise

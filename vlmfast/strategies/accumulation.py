@@ -38,42 +38,12 @@ from vlmfast.integrations import (
     no_sync,
 )
 from vlmfast.models.conventions import LabelConventions, probe_label_conventions
+from vlmfast.models.outputs import call_model, extract_loss
 from vlmfast.strategies.base import Step, Strategy
 from vlmfast.utils import unwrap_model
 
 log = logging.getLogger(__name__)
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
-
-
-def extract_loss(output: Any) -> torch.Tensor:
-    """The loss of a model output: a tensor, a dict with "loss", an object with `.loss`, or a tuple led by it."""
-    if isinstance(output, torch.Tensor):
-        loss = output
-    elif isinstance(output, Mapping) and "loss" in output:
-        loss = output["loss"]
-    elif hasattr(output, "loss"):
-        loss = output.loss
-    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        loss = output[0]
-    else:
-        raise TypeError(
-            f"the model returned a {type(output).__name__}: return a loss tensor, a dict with 'loss' or an object "
-            "with .loss, or pass loss_fn=lambda model, batch: ... to OptimizedTrainer"
-        )
-    if loss is None:
-        raise ValueError("the model returned loss=None: does the batch have labels? Otherwise pass loss_fn")
-    if loss.dim() != 0:
-        raise ValueError(f"the loss must be a scalar, got shape {tuple(loss.shape)}: reduce it (mean or sum)")
-    return loss
-
-
-def call_model(model: nn.Module, batch: Any, **extra: Any) -> Any:
-    """Call a model the way its batch is shaped: keywords for a dict, positional for a tuple/list."""
-    if isinstance(batch, Mapping):
-        return model(**batch, **extra)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch, **extra)
-    return model(batch, **extra)
 
 
 def count_loss_tokens(

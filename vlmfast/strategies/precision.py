@@ -33,7 +33,7 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
 
 def enable_tf32(enabled: bool = True) -> None:
     """Let CUDA matmuls and convolutions use TF32 tensor cores (fp32 range, ~10-bit mantissa)."""
-    from vlmfast.strategies.tf32 import set_tf32  # never the legacy allow_tf32 flags: see that module
+    from vlmfast.tf32 import set_tf32  # never the legacy allow_tf32 flags: see that module
 
     set_tf32(enabled)
 
