@@ -97,7 +97,7 @@ class AccumulationPlan:
     """How one optimizer batch is split and weighted.
 
     Every rank runs the same number of micro-batches (agreed before the first forward): a rank with fewer repeats
-    its last one with weight 0 (`padding`), so ranks issue the same collectives whatever their data.
+    one of its own with weight 0 (`padding`), so ranks issue the same collectives whatever their data.
     """
 
     micro_batches: list[Any]
@@ -105,7 +105,7 @@ class AccumulationPlan:
     items: list[int | None]  # loss items per micro-batch when countable before forward (0 for padding)
     divisor: float  # N: loss items in the whole batch across ranks (provisional when not exact)
     exact: bool  # divisor is the real count: no correction after backward
-    padding: int = 0  # trailing zero-weight micro-batches added for rank symmetry
+    padding: int = 0  # leading zero-weight micro-batches added for rank symmetry
     reported_items: list[Any] = field(default_factory=list)  # counts returned by loss_fn, filled during the step
 
     @property
@@ -113,7 +113,7 @@ class AccumulationPlan:
         return len(self.micro_batches) - 1
 
     def is_padding(self, index: int) -> bool:
-        return index >= len(self.micro_batches) - self.padding
+        return index < self.padding
 
 
 class GradientAccumulation(Strategy):
@@ -181,10 +181,13 @@ class GradientAccumulation(Strategy):
         known = all(n is not None for n in items)
         local = sum(items) if known else batch_size_of(batch)
         divisor, count = sum_and_max(float(local), len(micro_batches))
+        self.last_split = (count, micro_batch_size, batch_size_of(micro_batches[-1]))
+        # Weight-0 micro-batches first (padding repeats one for rank symmetry): the last one, where DDP reduces,
+        # carries loss items whenever the batch has any.
+        order = sorted(range(len(micro_batches)), key=lambda i: items[i] != 0)
         padding = count - len(micro_batches)
-        micro_batches += [micro_batches[-1]] * padding
-        items += [0] * padding
-        self.last_split = (count, micro_batch_size, batch_size_of(micro_batches[-1 - padding]))
+        micro_batches = [micro_batches[order[0]]] * padding + [micro_batches[i] for i in order]
+        items = [0] * padding + [items[i] for i in order]
         if count > 1 and self.batchnorm:
             warn_batchnorm_once(self.batchnorm, micro_batch_size)
         # With a loss_fn that reports its own counts, those are the truth: correct after backward if they differ.
@@ -211,7 +214,9 @@ class GradientAccumulation(Strategy):
         every rank's collectives match; a model's mean over zero tokens (NaN) is zeroed, never propagated."""
         share = self._share(model, micro_batch, plan, index)
         if plan.items[index] == 0 or plan.is_padding(index):
-            return torch.nan_to_num(share, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+            if self.loss_fn is not None:  # its mean over no items is 0/0: stop autograd before that division
+                return _ZeroWeight.apply(share)
+            return torch.nan_to_num(share, nan=0.0, posinf=0.0, neginf=0.0) * 0.0  # the graph reaches every param
         return share
 
     def _share(self, model: nn.Module, micro_batch: Any, plan: AccumulationPlan, index: int) -> torch.Tensor:
@@ -276,6 +281,18 @@ def warn_batchnorm_once(layers: list[str], micro_batch_size: int) -> None:
         "the statistics differ from the full batch's (every other layer is exact). Use micro_batch_size = "
         "batch_size, GroupNorm/LayerNorm, or BatchNorm in eval mode; see docs/accumulation.md", shown,
         micro_batch_size)
+
+
+class _ZeroWeight(torch.autograd.Function):
+    """0 in forward; no gradient in backward (None stops autograd there, so the NaN of 0/0 never propagates)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        return None
 
 
 def _mean_to_share(mean_loss: torch.Tensor, plan: AccumulationPlan, index: int) -> torch.Tensor:
