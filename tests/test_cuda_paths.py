@@ -389,10 +389,13 @@ def test_an_oom_in_the_optimizer_step_ends_with_the_summary_and_the_fixes_that_a
     assert "activation_checkpointing" not in message  # it does not shrink optimizer states
 
 
-@pytest.mark.xfail(strict=True, reason="lead's files (issue 15): the loop must wrap the optimizer step (trainer.py "
-                   "_apply_update: precision.optimizer_step / _deepspeed_update: deepspeed.step) in "
-                   "vlmfast.memory.advice.explain_oom('optimizer step', spec, device, trainable_params, step) and "
-                   "evaluate() in explain_oom('evaluation', ...)")
+_LOOP_MUST_EXPLAIN = ("lead's files (issue 15): the loop must wrap the optimizer step (trainer.py _apply_update: "
+                      "precision.optimizer_step; _deepspeed_update: deepspeed.step) in vlmfast.memory.advice."
+                      "explain_oom('optimizer step', spec, device, trainable_params, step), and evaluate() in "
+                      "explain_oom('evaluation', ...)")
+
+
+@pytest.mark.xfail(strict=True, raises=torch.OutOfMemoryError, reason=_LOOP_MUST_EXPLAIN)
 def test_fit_turns_an_optimizer_step_oom_into_the_explained_error():
     from vlmfast.memory.advice import OutOfMemoryOutsideStepError
 

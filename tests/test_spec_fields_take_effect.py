@@ -133,11 +133,16 @@ def test_on_interrupt_false_leaves_signals_to_python(tmp_path):
 
 
 def test_enable_tf32_sets_the_backend_flags():
-    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    from vlmfast.strategies.tf32 import restore_tf32_state, tf32_state
+
+    # Through torch's new API only: once it is used, reading the legacy allow_tf32 flags raises (see strategies/tf32).
+    before = tf32_state()
     try:
         enable_tf32(True)
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high"  # what Lightning reads: consistent, no error
+        assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "tf32"
         enable_tf32(False)
-        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "ieee"
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        restore_tf32_state(before)

@@ -12,8 +12,8 @@ _check_cuda_matmul_precision``): a benchmark that set or read the legacy flags a
 raise.
 
 So vlmfast turns TF32 on with ``torch.set_float32_matmul_precision("high")``, which sets the legacy precision *and*
-the new cuda/mkldnn matmul settings together (the one call both readers agree on), plus the cuDNN convolution
-setting through the new API; it never touches ``allow_tf32``. :func:`tf32_state` / :func:`restore_tf32_state` save
+the new cuda/mkldnn matmul settings together (the one call both readers agree on), plus the cuDNN convolution and
+RNN settings through the new API; it never touches ``allow_tf32``. :func:`tf32_state` / :func:`restore_tf32_state` save
 and restore every switch through the new API only, so a run cannot leave TF32 settings behind for the next.
 
 Usage::
@@ -44,7 +44,10 @@ def set_tf32(enabled: bool = True) -> None:
     """TF32 for CUDA matmuls and cuDNN convolutions on (fp32 range, ~10-bit mantissa) or off."""
     torch.set_float32_matmul_precision("high" if enabled else "highest")
     if has_new_api():
-        torch.backends.cudnn.conv.fp32_precision = "tf32" if enabled else "ieee"
+        # cuDNN convolutions and RNNs together, as the legacy cudnn.allow_tf32 did. (After this, as after any use of
+        # the new API, torch refuses to *read* the legacy cudnn.allow_tf32: read cudnn.conv.fp32_precision instead.)
+        for op in ("conv", "rnn"):
+            torch._C._set_fp32_precision_setter("cuda", op, "tf32" if enabled else "ieee")
     else:  # torch < 2.9: the legacy flags are the only API
         torch.backends.cudnn.allow_tf32 = enabled
 
