@@ -162,6 +162,8 @@ def test_random_flip_is_refused_before_training_and_never_served_stale(tmp_path)
     assert "random transform" in reason and torch.equal(torch.get_rng_state(), state)  # RNG untouched
     with pytest.raises(ValueError, match="random transform"):
         VisionCache(TrainSpec().vision_cache).wrap_data(flipped, collate)
+    _, keyed = VisionCache(TrainSpec().vision_cache).wrap_data(dataset, collate)
+    assert len(keyed([dataset[i] for i in range(4)])[KEYS_FIELD]) == 4
     # Content keys: a flipped image is another image, so it misses; its features are its own.
     cache = cache_vision_features(model, tmp_path)
     batch = collate([dataset[i] for i in range(8)])
@@ -452,3 +454,58 @@ def test_estimate_memory_prints_the_cache_footprint(capsys):
     args.run(args)
     assert "vision cache (tower): 9 x 64 x 4 B = 2.2 KiB per image -> 9.0 MiB on disk for 4,096 images" in \
         capsys.readouterr().out
+
+
+# ---- every field takes effect ---------------------------------------------------------------------------------
+class _CustomVLM(torch.nn.Module):
+    """A model whose tower has an unusual name: found only through vision_cache.module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.eyes = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(3 * 8 * 8, 16))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, pixel_values, target):
+        return torch.nn.functional.mse_loss(self.head(self.eyes(pixel_values)).squeeze(-1), target)
+
+
+def test_every_field_takes_effect(tmp_path):
+    model, dataset, collate = _task(8)
+    batch = collate([dataset[i] for i in range(8)])
+    spec = TrainSpec(vision_cache={"enabled": True, "dir": str(tmp_path / "a"), "max_gb": 0.5, "dtype": "bf16",
+                                   "scope": "tower"}).vision_cache
+    strategy = VisionCache(spec)
+    strategy.apply(model)
+    cache = strategy.cache
+    assert (cache.root, cache.max_bytes, cache.unit.name) == (tmp_path / "a", 2**29, "vision_tower.forward")
+    first, second = model(**batch).loss, model(**batch).loss  # bf16 storage: misses rounded like hits
+    store = next(iter(cache.stores.values()))
+    assert torch.equal(first, second) and store.get(next(iter(store.entries))).dtype == torch.bfloat16
+    cache.remove()
+    exact = cache_vision_features(model, tmp_path / "b")
+    assert not torch.equal(model(**batch).loss, first)  # fp32 features differ from bf16-rounded ones
+    exact.remove()
+    # read_only: serves what is there, adds nothing
+    reader = cache_vision_features(model, tmp_path / "a", scope="tower", dtype="bf16", read_only=True)
+    assert torch.equal(model(**batch).loss, first) and reader.stats.hits == 8
+    other = collate([dataset[0]])
+    other["pixel_values"] = other["pixel_values"].flip(-1)
+    model(**other)
+    assert reader.stats.misses == 1 and reader.stats.stored == 0 and reader.entries() == 8
+    reader.remove()
+    # max_gb: a full store admits no more (and evicts nothing)
+    tiny = cache_vision_features(model, tmp_path / "c", max_gb=3 * 9 * 128 * 4 / 2**30)  # room for 3 images
+    model(**batch)
+    model(**batch)
+    assert tiny.entries() == 3 and tiny.stats.hits == 3 and "store full" in tiny.describe()
+    tiny.remove()
+    # module: a tower with an unusual name
+    custom = _CustomVLM()
+    custom.eyes.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"vision_cache\.module"):
+        cache_vision_features(custom, tmp_path / "d")
+    named = cache_vision_features(custom, tmp_path / "d", module="eyes")
+    pixels, target = torch.rand(4, 3, 8, 8), torch.rand(4)
+    assert torch.equal(custom(pixels, target), custom(pixels, target)) and named.stats.hits == 4
+    assert named.unit.name == "eyes.forward"

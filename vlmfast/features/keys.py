@@ -119,7 +119,8 @@ def batch_image_keys(batch: Mapping[str, Any],
 @dataclass
 class KeyedCollate:
     """A collate function that adds the batch's image keys (``vision_cache_keys``), computed where it runs: in the
-    DataLoader workers. A plain dataclass, so it pickles into worker processes.
+    DataLoader workers. A plain dataclass, so it pickles into worker processes. Use it with the cache on: the cache's
+    forward pre-hook takes the keys out of the model's arguments; a model without the cache would receive them.
 
     Usage: ``DataLoader(dataset, batch_size=8, collate_fn=KeyedCollate(my_collate), num_workers=2)``
     """

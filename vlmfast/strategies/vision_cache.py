@@ -94,12 +94,15 @@ class VisionCache(Strategy):
     def wrap_data(self, dataset: Any, collate_fn: Any) -> tuple[Any, Any]:
         """Refuse a random image transform (read a few samples twice), and hash images in the loader workers.
 
-        Not yet called by the training loop (a protocol point proposed with this strategy); a hand-written loop can
-        call it, and the cache hashes the tower's inputs itself until then."""
-        reason = check_deterministic(dataset, collate_fn)
+        Not yet called by the training loop (a protocol point proposed with this strategy: once, after the packing
+        collator is built, so keys follow packed rows); a hand-written loop can call it, and the cache hashes the
+        tower's inputs itself until then."""
+        # With data.device_image_size the batch holds raw images (resized on the device later): key those.
+        field = (self.preprocessing or {}).get("image_key", "pixel_values")
+        reason = check_deterministic(dataset, collate_fn, image_field=field)
         if reason is not None:
             raise ValueError(f"vision_cache: {reason}")
-        return dataset, KeyedCollate(collate_fn)
+        return dataset, KeyedCollate(collate_fn, image_field=field)
 
     def after_step(self, step: Step) -> None:
         if self.cache is None:
