@@ -33,7 +33,7 @@ from _common import median, write_result
 from torch.utils.data import Dataset
 
 from vlmfast import OptimizedTrainer, TrainSpec
-from vlmfast.models.shapes import build_tiny_vlm_task
+from vlmfast.models import build_tiny_vlm_task
 from vlmfast.models.tiny_vlm import TinyVLMConfig
 
 CONFIG = dict(image_size=96, patch_size=16, vision_dim=192, vision_layers=4, vision_heads=4)

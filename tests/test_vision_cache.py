@@ -13,7 +13,7 @@ from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.features import FeatureStore, KeyedCollate, check_deterministic
 from vlmfast.features.cache import FeatureCache
 from vlmfast.features.keys import KEYS_FIELD, FlatKeys, batch_image_keys
-from vlmfast.models.shapes import build_tiny_vlm_task
+from vlmfast.models import build_tiny_vlm_task
 from vlmfast.models.tiny_vlm import TinyVLMConfig
 from vlmfast.strategies.registry import BuildContext, build_strategies
 from vlmfast.strategies.vision_cache import VisionCache, cache_vision_features

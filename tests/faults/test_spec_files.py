@@ -13,7 +13,8 @@ import math
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from vlmfast.spec import SpecError, TrainSpec, _number_kinds
+from vlmfast.sections import _number_kinds
+from vlmfast.spec import SpecError, TrainSpec
 
 
 def _load(tmp_path, text: str | bytes, name: str = "run.yaml") -> TrainSpec:
