@@ -28,8 +28,9 @@ import json, sys, torch
 sys.path.insert(0, {faults!r}); sys.path.insert(0, {tests!r})
 from _faults import make_spec, train
 torch.set_num_threads(1)
-spec = make_spec(max_steps=100_000, save={{"dir": {save!r}}}, log={{"dir": {log!r}, "progress": "off"}},
-                 data={data!r}, **{extra!r})
+overrides = {extra!r}
+spec = make_spec(max_steps=100_000, save={{"dir": {save!r}, **overrides.pop("save", {{}})}}, data={data!r},
+                 log={{"dir": {log!r}, "progress": "off"}}, **overrides)
 trainer, result = train(spec)
 print(json.dumps({{"step": trainer.state.step, "interrupted": result.interrupted,
                   "checkpoint": str(result.checkpoint)}}), flush=True)
@@ -104,12 +105,14 @@ def _assert_final_checkpoint_at_the_step_reached(outcome: dict, save: Path, sign
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("signum", "data"), [
-    (signal.SIGTERM, {"num_workers": 2}),
-    (signal.SIGINT, {"num_workers": 2, "device_prefetch": True, "persistent_workers": True}),
-])
-def test_a_signal_to_the_process_group_with_loader_workers_ends_with_the_final_checkpoint(tmp_path, signum, data):
-    outcome, save = _preempt(tmp_path, RUN, data, signum)
+@pytest.mark.parametrize(("signum", "data", "extra"), [
+    (signal.SIGTERM, {"num_workers": 2}, {}),
+    (signal.SIGINT, {"num_workers": 2, "device_prefetch": True, "persistent_workers": True}, {}),
+    (signal.SIGTERM, {"num_workers": 2}, {"save": {"async": True, "every_steps": 2}}),
+], ids=["SIGTERM", "SIGINT-prefetch", "SIGTERM-async"])
+def test_a_signal_to_the_process_group_with_loader_workers_ends_with_the_final_checkpoint(tmp_path, signum, data,
+                                                                                          extra):
+    outcome, save = _preempt(tmp_path, RUN, data, signum, extra=extra)
     _assert_final_checkpoint_at_the_step_reached(outcome, save, signum)
 
 
