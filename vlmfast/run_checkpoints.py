@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, resume_path, save_checkpoint, staging_dir
+from vlmfast.checkpoint_async import finish_saves, trainer_checkpointer
 from vlmfast.save_dir import prepare_save_dir
 from vlmfast.spec import SpecError
 
@@ -37,9 +38,10 @@ def save_trainer(trainer: OptimizedTrainer, directory: str | Path | None = None)
             torch.distributed.barrier()
     gathers = trainer.backend.name == "fsdp"  # FSDP2 gathers the full state with a collective: every rank joins
     state = trainer.state_dict() if trainer.is_main_process or gathers else None
-    if trainer.is_main_process:
-        path = save_checkpoint(directory, step, state, trainer.spec.save.keep_last,
-                               meta={"samples_seen": trainer.state.samples_seen}, staged=staged)
+    if trainer.is_main_process:  # save.async: only the copy to host memory happens here, the write in a thread
+        save = trainer_checkpointer(trainer).save if trainer.spec.save.async_ else save_checkpoint
+        path = save(directory, step, state, trainer.spec.save.keep_last,
+                    meta={"samples_seen": trainer.state.samples_seen}, staged=staged)
         trainer._fire("on_save", path)
     return path
 
@@ -49,9 +51,14 @@ def save_if_configured(trainer: OptimizedTrainer, final: bool = False) -> Path |
     directory, step = trainer.spec.save.dir, trainer.state.step
     if directory is None or step == 0:
         return None
+    if final:
+        finish_saves(trainer)  # save.async: the save in flight may be this very step
     if final and (latest := latest_checkpoint(directory)) and latest.name == f"step_{step:08d}":
         return latest
-    return save_trainer(trainer)
+    path = save_trainer(trainer)
+    if final:
+        finish_saves(trainer)  # the run ends with its last checkpoint on disk
+    return path
 
 
 def resume_trainer(trainer: OptimizedTrainer) -> Path | None:
