@@ -83,7 +83,7 @@ class Section(BaseModel):
     def _reject_unknown_keys(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        valid = set(cls.model_fields)
+        valid = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         for key in data:
             if (moved := RENAMED_KEYS.get(cls.__name__, {}).get(key)) is not None:
                 raise ValueError(f"'{key}' in {_section_label(cls)} was renamed: use {moved}")

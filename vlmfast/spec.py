@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vlmfast.sections import Section, SpecError, set_root
 from vlmfast.strategies.ema import EMASpec
@@ -305,6 +305,8 @@ class DataSpec(Section):
 class SaveSpec(Section):
     """Checkpoints: atomic, the newest `keep_last` kept, exact resume."""
 
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True, validate_by_alias=True)
+
     dir: Path | None = Field(None, description="checkpoint folder; no checkpoints when unset")
     every_steps: int | None = Field(None, ge=1, description="save every N optimizer steps (and at the end)")
     keep_last: int = Field(3, ge=1, description="complete checkpoints to keep")
@@ -312,6 +314,11 @@ class SaveSpec(Section):
         "auto", description="'auto': newest complete checkpoint in dir if any; 'never'; or a checkpoint path"
     )
     on_interrupt: bool = Field(True, description="SIGTERM / Ctrl-C writes a final checkpoint before exiting")
+    async_: bool = Field(
+        False, alias="async", description="the step waits only for a copy of the state in host memory; writing, "
+        "fsync, the manifest and the rename run in a background thread (one save in flight; the next save and the "
+        "end of the run wait for it; a failed save is reported at the next step)"
+    )
 
 
 class EvalSpec(Section):
@@ -586,7 +593,7 @@ class TrainSpec(Section):
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, YAML/JSON-serialisable dict that :meth:`model_validate` reads back unchanged."""
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)  # save.async: its YAML name, not the Python one
 
     def to_file(self, path: str | Path) -> None:
         """Write the spec as YAML or JSON, chosen by the suffix."""
@@ -700,6 +707,7 @@ def _commented_fields(model: type[BaseModel], values: dict[str, Any], indent: in
     pad = " " * indent
     lines: list[str] = []
     for name, field in model.model_fields.items():
+        name = field.alias or name  # save.async (async is a Python keyword: the attribute is async_)
         value = values[name]
         sub = _section_type(field.annotation)
         if field.description:

@@ -143,6 +143,7 @@ def _field_rows(model: type[BaseModel], path: str, link: str = "") -> tuple[list
     rows: list[str] = []
     children: list[tuple[type[BaseModel], str]] = []
     for name, field in model.model_fields.items():
+        name = field.alias or name  # the YAML name (save.async; the attribute is async_)
         full = f"{path}.{name}" if path else name
         rows.append(_field_row(field, full, link, children))
     return rows, children
@@ -172,9 +173,10 @@ def spec_fields_table(names: list[str]) -> str:
         *parents, leaf = name.split(".")
         for part in parents:
             model = _model_in(model.model_fields[part].annotation)
-        if leaf not in model.model_fields:
+        by_yaml_name = {f.alias or n: f for n, f in model.model_fields.items()}
+        if leaf not in by_yaml_name:
             raise KeyError(f"spec-fields: no field {name!r} in TrainSpec")
-        field = model.model_fields[leaf]
+        field = by_yaml_name[leaf]
         sub = _model_in(field.annotation)
         if sub is not None and not _is_list(field.annotation):
             rows += _field_rows(sub, name, link=SPEC_PAGE)[0]

@@ -54,9 +54,10 @@ def test_sigkill_during_a_write_leaves_the_previous_checkpoint_intact(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_sigkill_while_a_training_run_saves_then_resume_continues_from_the_previous_checkpoint(tmp_path):
-    """A real run saving every 2 steps is SIGKILLed inside the write of step 4: resume starts after step 2 and
-    reproduces the uninterrupted trajectory exactly."""
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_sigkill_while_a_training_run_saves_then_resume_continues_from_the_previous_checkpoint(tmp_path, asynchronous):
+    """A real run saving every 2 steps is SIGKILLed inside the write of step 4 (with save.async, in the background
+    writer): resume starts after step 2 and reproduces the uninterrupted trajectory exactly."""
     script = textwrap.dedent(f"""
         import os, signal, sys, torch
         sys.path.insert(0, {str(TESTS / "faults")!r}); sys.path.insert(0, {str(TESTS)!r})
@@ -70,14 +71,14 @@ def test_sigkill_while_a_training_run_saves_then_resume_continues_from_the_previ
                 os.kill(os.getpid(), signal.SIGKILL)
             real_save(obj, f)
         checkpoint.torch.save = dying_save
-        train(make_spec(save={{"dir": {str(tmp_path)!r}, "every_steps": 2}}))
+        train(make_spec(save={{"dir": {str(tmp_path)!r}, "every_steps": 2, "async": {asynchronous}}}))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=100)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]  # step 4 never became a checkpoint
     assert list(tmp_path.glob(".tmp-step_00000004-*"))
     _, full = train(make_spec())
-    _, resumed = train(make_spec(save={"dir": str(tmp_path), "every_steps": 2}))
+    _, resumed = train(make_spec(save={"dir": str(tmp_path), "every_steps": 2, "async": asynchronous}))
     assert resumed.resumed_from.name == "step_00000002"
     assert [m["step"] for m in resumed.history] == list(range(3, 13))
     assert losses(resumed) == losses(full)[2:]
@@ -103,12 +104,13 @@ class SignalInsideAStep(TinyCausalLM):
         return super().forward(input_ids, labels, attention_mask)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_writes_a_final_checkpoint_and_resume_continues_exactly(tmp_path, signum):
+@pytest.mark.parametrize(("signum", "asynchronous"), [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                                     (signal.SIGTERM, True)])
+def test_signal_writes_a_final_checkpoint_and_resume_continues_exactly(tmp_path, signum, asynchronous):
     """The signal arrives inside step 5 (in the forward of its 2nd micro-batch of 4): step 5 finishes, with all its
     micro-batches, is checkpointed, and nothing after it runs; resume reproduces the uninterrupted run exactly."""
     full_trainer, full = train(make_spec())
-    spec = make_spec(save={"dir": str(tmp_path)})
+    spec = make_spec(save={"dir": str(tmp_path), "async": asynchronous})
     micro_per_step = spec.batch_size // spec.micro_batch_size
     torch.manual_seed(1234)  # the init _faults.train gives its own model
     model = SignalInsideAStep(step=5, micro=2, micro_per_step=micro_per_step, signum=signum)

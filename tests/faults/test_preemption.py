@@ -28,8 +28,9 @@ import json, sys, torch
 sys.path.insert(0, {faults!r}); sys.path.insert(0, {tests!r})
 from _faults import make_spec, train
 torch.set_num_threads(1)
-spec = make_spec(max_steps=100_000, save={{"dir": {save!r}}}, log={{"dir": {log!r}, "progress": "off"}},
-                 data={data!r})
+overrides = {extra!r}
+spec = make_spec(max_steps=100_000, save={{"dir": {save!r}, **overrides.pop("save", {{}})}}, data={data!r},
+                 log={{"dir": {log!r}, "progress": "off"}}, **overrides)
 trainer, result = train(spec)
 print(json.dumps({{"step": trainer.state.step, "interrupted": result.interrupted,
                   "checkpoint": str(result.checkpoint)}}), flush=True)
@@ -65,11 +66,11 @@ if __name__ == "__main__":
 
 
 def _preempt(tmp_path: Path, template: str, data: dict, signum: int, min_steps: int = 3,
-             timeout: float = 150.0) -> tuple[dict, Path]:
+             timeout: float = 150.0, extra: dict | None = None) -> tuple[dict, Path]:
     save, log = tmp_path / "ckpt", tmp_path / "logs"
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(template.format(faults=str(TESTS / "faults"), tests=str(TESTS), save=str(save),
-                                                      log=str(log), data=data)))
+                                                      log=str(log), data=data, extra=extra or {})))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, text=True)
     metrics = log / "metrics.jsonl"
@@ -104,13 +105,25 @@ def _assert_final_checkpoint_at_the_step_reached(outcome: dict, save: Path, sign
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("signum", "data"), [
-    (signal.SIGTERM, {"num_workers": 2}),
-    (signal.SIGINT, {"num_workers": 2, "device_prefetch": True, "persistent_workers": True}),
-])
-def test_a_signal_to_the_process_group_with_loader_workers_ends_with_the_final_checkpoint(tmp_path, signum, data):
-    outcome, save = _preempt(tmp_path, RUN, data, signum)
+@pytest.mark.parametrize(("signum", "data", "extra"), [
+    (signal.SIGTERM, {"num_workers": 2}, {}),
+    (signal.SIGINT, {"num_workers": 2, "device_prefetch": True, "persistent_workers": True}, {}),
+    (signal.SIGTERM, {"num_workers": 2}, {"save": {"async": True, "every_steps": 2}}),
+], ids=["SIGTERM", "SIGINT-prefetch", "SIGTERM-async"])
+def test_a_signal_to_the_process_group_with_loader_workers_ends_with_the_final_checkpoint(tmp_path, signum, data,
+                                                                                          extra):
+    outcome, save = _preempt(tmp_path, RUN, data, signum, extra=extra)
     _assert_final_checkpoint_at_the_step_reached(outcome, save, signum)
+
+
+@pytest.mark.timeout(500)
+def test_sigterm_to_the_process_group_under_deepspeed_with_workers_ends_with_the_final_checkpoint(tmp_path):
+    """~20 s when DeepSpeed's shm op is built; its first build on a loaded 2-core machine took 2.5 min."""
+    pytest.importorskip("deepspeed")
+    outcome, save = _preempt(tmp_path, RUN, {"num_workers": 2}, signal.SIGTERM, timeout=400,
+                             extra={"deepspeed": {"enabled": True, "zero_stage": 2}})
+    _assert_final_checkpoint_at_the_step_reached(outcome, save, signal.SIGTERM)
+    assert (latest_checkpoint(save) / "deepspeed").is_dir()  # the engine's shards are in the final checkpoint
 
 
 @pytest.mark.timeout(240)

@@ -91,9 +91,10 @@ def test_a_save_never_touches_a_live_writers_temporary_folder(tmp_path):
         live.wait()
 
 
-@pytest.mark.parametrize("errno_code", [errno.ENOSPC, errno.EIO])
+@pytest.mark.parametrize(("errno_code", "asynchronous"), [(errno.ENOSPC, False), (errno.EIO, False),
+                                                         (errno.ENOSPC, True)], ids=["ENOSPC", "EIO", "ENOSPC-async"])
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_and_names_save_dir(tmp_path, monkeypatch,
-                                                                                     errno_code):
+                                                                                     errno_code, asynchronous):
     real_save = torch.save
 
     def failing_save(obj, f, *args, **kwargs):
@@ -103,11 +104,14 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_and_names_save
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", failing_save)
-    spec = make_spec(max_steps=6, save={"dir": str(tmp_path), "every_steps": 2})
+    spec = make_spec(max_steps=6, save={"dir": str(tmp_path), "every_steps": 2, "async": asynchronous})
+    seen = _StepsSeen()
     with pytest.raises(CheckpointWriteError, match=rf"(?s)save.dir {tmp_path}: cannot write checkpoint step_00000004 "
                        rf"\({os.strerror(errno_code)}\). It needs about .* are free on that disk.*step_00000002 is "
                        "intact"):
-        train(spec)
+        train(spec, callbacks=[seen])
+    # Synchronous: the save after step 4 raises; asynchronous: the next step (or, at the latest, the end) reports it.
+    assert seen.trainer.state.step == 4 if not asynchronous else seen.trainer.state.step in (5, 6)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
     verify_checkpoint(tmp_path / "step_00000002")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp", ".old"))]  # the partial one is gone
@@ -117,9 +121,18 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoints_and_names_save
     assert resumed.resumed_from.name == "step_00000002" and losses(resumed) == losses(full)[2:]
 
 
-def test_a_real_full_file_system_keeps_the_previous_checkpoints(tmp_path):
+class _StepsSeen:
+    trainer = None
+
+    def on_fit_start(self, trainer) -> None:
+        self.trainer = trainer
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_real_full_file_system_keeps_the_previous_checkpoints(tmp_path, asynchronous):
     with tiny_filesystem(tmp_path / "disk", "200k") as disk:
-        spec = make_spec(max_steps=8, save={"dir": str(disk), "every_steps": 2, "keep_last": 5})
+        spec = make_spec(max_steps=8, save={"dir": str(disk), "every_steps": 2, "keep_last": 5,
+                                            "async": asynchronous})
         with pytest.raises(CheckpointWriteError, match=rf"save.dir {disk}: cannot write checkpoint step_0000000\d "
                            r"\(No space left on device\)"):
             train(spec)

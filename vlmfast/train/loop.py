@@ -24,7 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from vlmfast.callbacks import Callback
-from vlmfast.checkpoint import check_resume_compatible, check_same_world_size
+from vlmfast.checkpoint import check_resume_compatible, check_same_world_size, save_checkpoint
+from vlmfast.checkpoint_async import AsyncCheckpointer
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
@@ -108,6 +109,10 @@ class OptimizedTrainer:
             self.collate_fn = build_packing_collator(
                 spec.packing, self.engine.module, collate_fn, shift_labels=bool(self.accumulation.shift_labels),
                 ignore_index=spec.loss.ignore_index)
+        # save.async: the step only waits for a host copy; the write runs in a thread (checkpoint_async.py)
+        self.checkpointer = AsyncCheckpointer() if spec.save.async_ else None
+        if self.checkpointer is not None:
+            self.callbacks.insert(0, self.checkpointer)  # polls for a failed save each step; waits at the end
         pin = spec.data.pin_memory if spec.data.pin_memory is not None else self.device.type == "cuda"
         self.loader = device_batches(  # data.device_prefetch: the next batch is copied while this step runs
             ResumableLoader(train_data, spec.batch_size, spec.data, spec.seed, self.collate_fn,
@@ -358,8 +363,10 @@ class OptimizedTrainer:
 
     def save(self, directory: str | Path | None = None) -> Path:
         """Write a checkpoint now (atomic; all ranks call it, rank 0 writes) and return its path."""
+        write = self.checkpointer.save if self.checkpointer is not None and self.is_main_process else save_checkpoint
         path = save_run(self.engine, self.state_dict, directory or self.spec.save.dir or "checkpoints",
-                        self.state.step, self.spec.save.keep_last, meta={"samples_seen": self.state.samples_seen})
+                        self.state.step, self.spec.save.keep_last, meta={"samples_seen": self.state.samples_seen},
+                        write=write)
         if self.is_main_process:
             self._fire("on_save", path)
         return path
@@ -368,8 +375,15 @@ class OptimizedTrainer:
         """The end-of-run checkpoint, unless the last periodic save already wrote this step (rank 0 decides)."""
         if self.spec.save.dir is None or self.state.step == 0:
             return None
+        self._finish_saves()  # save.async: the save in flight may be this very step
         due = broadcast_object(needs_final_save(self.spec.save.dir, self.state.step))
-        return self.save() if due else None
+        path = self.save() if due else None
+        self._finish_saves()  # the run ends with its last checkpoint on disk
+        return path
+
+    def _finish_saves(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
 
     # ---- reporting ------------------------------------------------------------------------------------------
     def _throughput(self, metrics: dict[str, Any], step_time: float, data_time: float) -> dict[str, Any]:

@@ -24,8 +24,10 @@ from vlmfast.spec import SpecError
 
 
 def save_run(engine: Engine, state_dict: Callable[[], dict[str, Any]], directory: str | Path, step: int,
-             keep_last: int | None, meta: dict[str, Any] | None = None) -> Path:
-    """Write a checkpoint (all ranks call it; rank 0 writes the file) and return its path."""
+             keep_last: int | None, meta: dict[str, Any] | None = None,
+             write: Callable[..., Path] = save_checkpoint) -> Path:
+    """Write a checkpoint (all ranks call it; rank 0 writes the file) and return its path. `write` is
+    `save_checkpoint`, or an `AsyncCheckpointer.save` (save.async: only the copy to host memory happens here)."""
     directory = Path(directory)
     rank0 = _rank() == 0
     path, staged = directory / f"step_{step:08d}", None
@@ -35,7 +37,7 @@ def save_run(engine: Engine, state_dict: Callable[[], dict[str, Any]], directory
         barrier()
     state = state_dict()  # on every rank: an engine may gather the full state with a collective
     if rank0:
-        path = save_checkpoint(directory, step, state, keep_last, meta=meta, staged=staged)
+        path = write(directory, step, state, keep_last, meta=meta, staged=staged)
     return path
 
 
