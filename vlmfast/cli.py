@@ -34,11 +34,12 @@ DEMO_SPEC: dict[str, Any] = {
     "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
     "scheduler": {"name": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1},
     "grad_clip": 1.0,
-    # Render the next batch's images in a background thread while this step computes (CPU too): the data wait
-    # fell from ~10 % to ~4 % of the step time on the 2-core machine (benchmarks/profiling_overhead.py).
-    "data": {"device_prefetch": True},
     "log": {"progress": "auto"},
 }
+# The built-in task with no config (the demo) also renders the next batch's images in a background thread while
+# the step computes (CPU too): its data wait fell from ~10 % to ~4 % of the step time on the 2-core machine
+# (benchmarks/profiling_overhead.py). Not for --task jobs on the demo spec: their data may not be worth a thread.
+DEMO_TASK_SPEC: dict[str, Any] = {"data": {"device_prefetch": True}}
 DEFAULT_TASK = "vlmfast.models:build_tiny_vlm_task"
 
 
@@ -114,13 +115,15 @@ def _cmd_spec(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_spec(config: str | None, overrides: list[str]) -> Any:
+def build_spec(config: str | None, overrides: list[str], builtin_task: bool = False) -> Any:
     """The spec from a file (or the demo spec) with --set overrides applied; validated before any work."""
     from pydantic import ValidationError
 
     from vlmfast.spec import SpecError, TrainSpec, format_validation_error
 
     data = TrainSpec.from_file(config).to_dict() if config else json.loads(json.dumps(DEMO_SPEC))
+    if builtin_task and not config:
+        data.update(json.loads(json.dumps(DEMO_TASK_SPEC)))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -215,7 +218,7 @@ def run_task(target: str, seed: int, samples: int) -> TaskJob:
 
 def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:
     """The trainer for the job the arguments name, and the text-only baseline for the built-in task."""
-    spec = build_spec(args.config, args.set)  # fails here, before the model or data are built
+    spec = build_spec(args.config, args.set, builtin_task=args.task == DEFAULT_TASK)  # fails before any work
     job = run_task(args.task, spec.seed, args.samples)
     eval_data, baseline = _builtin_eval(spec.seed) if args.task == DEFAULT_TASK else (None, None)
     return job.trainer(spec, eval_data), baseline

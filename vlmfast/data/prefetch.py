@@ -103,11 +103,13 @@ class DevicePrefetcher:
             return self._to_device(host_batch), state
 
     def close(self) -> None:
-        """Finish the loads in flight and stop the background thread."""
+        """Finish the loads in flight and stop the background thread; later batches load in the caller's thread
+        (the doctor reads a few after training, to measure padding)."""
         while self._pending:
             self._collect()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+            self._executor = None
 
     def _to_device(self, host_batch: Any) -> Any:
         batch = move_to_device(host_batch, self.device, non_blocking=True)
