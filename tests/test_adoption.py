@@ -198,3 +198,20 @@ def test_demo_images_render_the_same_pixels_many_times_faster() -> None:
     with CountOps() as old:
         _render_with_torch(scenes[0])
     assert new.calls <= 1 < 10 < old.calls, (new.calls, old.calls)
+
+
+def test_powersgd_warns_that_its_state_is_not_checkpointed(caplog, monkeypatch) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from vlmfast.engines import comm_hooks
+
+    monkeypatch.setattr(comm_hooks, "_POWERSGD_WARNED", [])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        with caplog.at_level(logging.WARNING, logger="vlmfast.engines.comm_hooks"):
+            comm_hooks.register_comm_hook(ddp, "powersgd", start_iter=2)
+    finally:
+        dist.destroy_process_group()
+    assert "PowerSGD's state (error feedback, warm start, its step counter) is not saved in checkpoints" in caplog.text
