@@ -6,6 +6,7 @@ tests/test_hooks_in_loops.py and the printed commands in tests/test_printed_comm
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -215,3 +216,19 @@ def test_powersgd_warns_that_its_state_is_not_checkpointed(caplog, monkeypatch) 
     finally:
         dist.destroy_process_group()
     assert "PowerSGD's state (error feedback, warm start, its step counter) is not saved in checkpoints" in caplog.text
+
+
+def test_a_slow_silent_wait_gets_a_message_and_a_quick_one_none(caplog) -> None:
+    """What DeepSpeed's first start (compiling its ops for minutes) now says; the engine wraps initialize in it."""
+    import time
+
+    from vlmfast.engines import deepspeed as ds_engine
+    from vlmfast.utils import notice_if_slow
+
+    with caplog.at_level(logging.WARNING, logger="vlmfast"):
+        with notice_if_slow("still building", after_s=0.05):
+            time.sleep(0.5)
+        with notice_if_slow("never shown", after_s=5):
+            pass
+    assert "still building" in caplog.text and "never shown" not in caplog.text
+    assert "notice_if_slow(DEEPSPEED_BUILD_NOTICE)" in Path(ds_engine.__file__).read_text()

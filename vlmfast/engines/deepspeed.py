@@ -34,7 +34,7 @@ from vlmfast.engines.base import Engine, OptimizerFactory, StepResult
 from vlmfast.engines.process_group import ensure_process_group
 from vlmfast.spec import SpecError, TrainSpec
 from vlmfast.strategies.precision import EnginePrecision
-from vlmfast.utils import PRECISION_DTYPES
+from vlmfast.utils import PRECISION_DTYPES, notice_if_slow
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,13 @@ def _refuse_conflict(config: dict[str, Any], key: str, value: Any) -> None:
                         f"spec field {field} and remove it from the DeepSpeed JSON")
 
 
+DEEPSPEED_BUILD_NOTICE = (
+    "DeepSpeed is still starting after 10 s: on first use it compiles its C++ ops with ninja (minutes on a CPU "
+    "machine; cached under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, so later runs start at once). "
+    "If nothing happens for much longer, another process may hold (or a killed one may have left) the build's "
+    "lock file in that folder")
+
+
 class DeepSpeedEngine(Engine):
     """The DeepSpeed engine behind the loop's backward / step / checkpoint points."""
 
@@ -133,8 +140,9 @@ class DeepSpeedEngine(Engine):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown vlmfast's report
         ensure_process_group()
         self.module, self.optimizer = model, build_optimizer(model)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config,
-                                                    dist_init_required=False)
+        with notice_if_slow(DEEPSPEED_BUILD_NOTICE):  # first use compiles its ops, minutes, silently (issue 20)
+            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config,
+                                                        dist_init_required=False)
         return self.engine
 
     @property
