@@ -36,6 +36,7 @@ from vlmfast.engines import init_distributed, register_comm_hook, wrap_ddp
 from vlmfast.engines.collectives import all_reduce_gradients
 from vlmfast.engines.deepspeed import build_deepspeed_config
 from vlmfast.engines.fsdp import full_state_dict, load_full_state_dict, shard_model
+from vlmfast.integrations import find_ddp, launch_warning
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb
@@ -114,6 +115,7 @@ __all__ = [
     "enable_tf32",
     "evaluate_loss",
     "extract_loss",
+    "find_ddp",
     "find_max_micro_batch_size",
     "free_memory",
     "freeze_modules",
@@ -121,6 +123,7 @@ __all__ = [
     "init_distributed",
     "is_oom_error",
     "latest_checkpoint",
+    "launch_warning",
     "load_checkpoint",
     "load_full_state_dict",
     "lr_multiplier",
