@@ -183,3 +183,18 @@ def test_doctor_keeps_the_trace_it_points_to(tmp_path, monkeypatch) -> None:
     report = run_doctor(TrainSpec(batch_size=8), lambda: (TinyCausalLM(), TokenDataset(64), None), steps=4)
     kept = report["text"].rsplit("profiler trace kept in ", 1)[1].split(" ", 1)[0]
     assert list(Path(kept).glob("*.json"))  # the folder named at the end exists and holds the trace
+
+
+def test_a_comm_hook_that_does_not_apply_is_not_listed(caplog) -> None:
+    """Under the OOM fallback on several ranks DDP's hook is bypassed (vlmfast averages by hand): warned, not listed."""
+    from vlmfast.engines.ddp import DDPEngine
+    from vlmfast.spec import DDPSpec
+    from vlmfast.strategies.precision import MixedPrecision
+
+    spec = DDPSpec(comm_hook="fp16")
+    with caplog.at_level("WARNING"):
+        manual = DDPEngine(spec, CPU, MixedPrecision("fp32", CPU), world_size=2, manual_sync=True)
+    assert "does not apply" in caplog.text
+    assert not any("comm hook" in line for line in manual.describe())
+    hooked = DDPEngine(spec, CPU, MixedPrecision("fp32", CPU), world_size=2)
+    assert any("comm hook fp16" in line for line in hooked.describe())
