@@ -232,3 +232,21 @@ def test_a_slow_silent_wait_gets_a_message_and_a_quick_one_none(caplog) -> None:
             pass
     assert "still building" in caplog.text and "never shown" not in caplog.text
     assert "notice_if_slow(DEEPSPEED_BUILD_NOTICE)" in Path(ds_engine.__file__).read_text()
+
+
+def test_deepspeeds_deprecated_collective_warnings_are_filtered() -> None:
+    import warnings
+
+    from vlmfast.engines import deepspeed as ds_engine
+    from vlmfast.integrations import filter_deepspeed_warnings
+
+    message = ("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+               "`torch.distributed.reduce_scatter_single` instead.")
+    with warnings.catch_warnings(record=True) as caught:  # restores the process's filters afterwards
+        warnings.simplefilter("always")
+        filter_deepspeed_warnings()
+        for _ in range(3):
+            warnings.warn(message, FutureWarning, stacklevel=1)
+        warnings.warn("something else is deprecated", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something else is deprecated"]
+    assert "filter_deepspeed_warnings()" in Path(ds_engine.__file__).read_text()

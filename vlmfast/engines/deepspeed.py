@@ -32,6 +32,7 @@ from torch import nn
 
 from vlmfast.engines.base import Engine, OptimizerFactory, StepResult
 from vlmfast.engines.process_group import ensure_process_group
+from vlmfast.integrations import filter_deepspeed_warnings
 from vlmfast.spec import SpecError, TrainSpec
 from vlmfast.strategies.precision import EnginePrecision
 from vlmfast.utils import PRECISION_DTYPES, notice_if_slow
@@ -138,6 +139,7 @@ class DeepSpeedEngine(Engine):
             raise SpecError("engine: deepspeed needs DeepSpeed: pip install 'vlmfast[deepspeed]' (on a machine "
                             "without CUDA: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)") from exc
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown vlmfast's report
+        filter_deepspeed_warnings()  # torch's per-step deprecation FutureWarnings for DeepSpeed's collectives
         ensure_process_group()
         self.module, self.optimizer = model, build_optimizer(model)
         with notice_if_slow(DEEPSPEED_BUILD_NOTICE):  # first use compiles its ops, minutes, silently (issue 20)
