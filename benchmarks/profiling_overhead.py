@@ -25,7 +25,7 @@ import torch
 from _common import median, write_result
 
 from vlmfast import Callback, OptimizedTrainer, TrainSpec
-from vlmfast.cli_jobs import DEMO_SPEC
+from vlmfast.cli_jobs import DEMO_SPEC, DEMO_TASK_SPEC
 from vlmfast.models import build_tiny_vlm_task
 
 OFF = {"profile": {"timing": False, "mfu": False}, "memory": {"leak_check": False}}
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    default = {**copy.deepcopy(DEMO_SPEC), "log": {"progress": "off"}}
+    default = {**copy.deepcopy(DEMO_SPEC), **copy.deepcopy(DEMO_TASK_SPEC), "log": {"progress": "off"}}
     off = {**default, **OFF}
     run(default, 3, args.samples)  # warm the process (imports, allocator) before any measured run
     ratios: dict[str, list[float]] = {"wall": [], "cpu": []}

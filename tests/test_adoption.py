@@ -6,6 +6,7 @@ tests/test_hooks_in_loops.py and the printed commands in tests/test_printed_comm
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -198,3 +199,54 @@ def test_demo_images_render_the_same_pixels_many_times_faster() -> None:
     with CountOps() as old:
         _render_with_torch(scenes[0])
     assert new.calls <= 1 < 10 < old.calls, (new.calls, old.calls)
+
+
+def test_powersgd_warns_that_its_state_is_not_checkpointed(caplog, monkeypatch) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from vlmfast.engines import comm_hooks
+
+    monkeypatch.setattr(comm_hooks, "_POWERSGD_WARNED", [])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        with caplog.at_level(logging.WARNING, logger="vlmfast.engines.comm_hooks"):
+            comm_hooks.register_comm_hook(ddp, "powersgd", start_iter=2)
+    finally:
+        dist.destroy_process_group()
+    assert "PowerSGD's state (error feedback, warm start, its step counter) is not saved in checkpoints" in caplog.text
+
+
+def test_a_slow_silent_wait_gets_a_message_and_a_quick_one_none(caplog) -> None:
+    """What DeepSpeed's first start (compiling its ops for minutes) now says; the engine wraps initialize in it."""
+    import time
+
+    from vlmfast.engines import deepspeed as ds_engine
+    from vlmfast.utils import notice_if_slow
+
+    with caplog.at_level(logging.WARNING, logger="vlmfast"):
+        with notice_if_slow("still building", after_s=0.05):
+            time.sleep(0.5)
+        with notice_if_slow("never shown", after_s=5):
+            pass
+    assert "still building" in caplog.text and "never shown" not in caplog.text
+    assert "notice_if_slow(DEEPSPEED_BUILD_NOTICE)" in Path(ds_engine.__file__).read_text()
+
+
+def test_deepspeeds_deprecated_collective_warnings_are_filtered() -> None:
+    import warnings
+
+    from vlmfast.engines import deepspeed as ds_engine
+    from vlmfast.integrations import filter_deepspeed_warnings
+
+    message = ("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+               "`torch.distributed.reduce_scatter_single` instead.")
+    with warnings.catch_warnings(record=True) as caught:  # restores the process's filters afterwards
+        warnings.simplefilter("always")
+        filter_deepspeed_warnings()
+        for _ in range(3):
+            warnings.warn(message, FutureWarning, stacklevel=1)
+        warnings.warn("something else is deprecated", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something else is deprecated"]
+    assert "filter_deepspeed_warnings()" in Path(ds_engine.__file__).read_text()

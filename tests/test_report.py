@@ -57,21 +57,23 @@ def test_default_flops_are_the_formula_and_never_run_flop_counter_mode(tmp_path,
     assert not any("p50" in key for key in result.report.extra)  # the profiler adds no second step time
 
 
-def test_measured_flops_run_only_on_timed_steps_and_leave_them_out_of_the_timings() -> None:
+def test_measured_flops_count_one_micro_batch_and_scale_the_other_shapes() -> None:
+    """FlopCounterMode (~6x a step) runs once, on the first micro-batch; a timed step that counts is left out of the
+    timings; other shapes are scaled from the counted one by their elements."""
     model = TinyCausalLM()
-    profiler = RunProfiler(ProfileSpec(flops="measured", every_steps=2, warmup_steps=0), model, CPU)
-    batch = token_batch(4)
+    profiler = RunProfiler(ProfileSpec(flops="measured", every_steps=1, warmup_steps=0), model, CPU)
+    batches = [token_batch(4), token_batch(4), token_batch(8)]  # the third: twice the elements
     rows = []
-    for step in range(1, 7):
+    for step, batch in enumerate(batches, start=1):
         profiler.begin_step(step)
         with profiler.count_flops(batch), profiler.phase("forward"):
             model(**batch)["loss"].backward()
         profiler.add_flops(batch)
         rows.append(profiler.end_step())
     assert profiler.flops.method == "measured" and len(profiler.flops.buckets) == 1
-    assert rows[0] == rows[2] == rows[4] == {}  # steps 2, 4, 6 are timed
-    assert rows[1].get("perf/excluded") == 1.0 and rows[1].get("perf/flops_counted") == 1.0  # counted: left out
-    assert "perf/excluded" not in rows[3] and rows[3]["perf/flops"] > 0  # same shape: timed, with its FLOPs
+    assert rows[0].get("perf/excluded") == 1.0 and rows[0].get("perf/flops_counted") == 1.0  # timed and counted
+    assert "perf/excluded" not in rows[1] and "perf/excluded" not in rows[2]
+    assert 1.3 * rows[1]["perf/flops"] < rows[2]["perf/flops"]  # scaled up (real tokens differ between batches)
     assert profiler.timer.summary()["perf/sampled_steps"] == 2
 
 
@@ -139,3 +141,60 @@ def test_activation_checkpointing_on_mllama_lists_its_blocks() -> None:
     line = strategy.describe()
     assert "3/3 model.language_model.layers" in line, line
     assert "2/2 model.vision_model.transformer.layers" in line and "1/1 model.vision_model.global_transformer" in line
+
+
+def _doctor_evidence(top_ops: list[dict]):
+    from vlmfast.profiling.doctor import Evidence
+    from vlmfast.spec import TrainSpec
+
+    sample = {"perf/step_time": 0.1, "perf/forward_time": 0.045, "perf/backward_time": 0.05,
+              "perf/optimizer_time": 0.005}
+    return Evidence(samples=[sample, dict(sample)], spec=TrainSpec(), top_ops=top_ops)
+
+
+def test_doctor_judges_attention_by_the_kernel_that_ran() -> None:
+    from vlmfast.profiling.doctor import diagnose
+
+    cpu = {"clock": "cpu"}
+    on_sdpa = [{"name": "aten::_scaled_dot_product_flash_attention_for_cpu", "share": 0.35, **cpu},
+               {"name": "aten::mm", "share": 0.3, **cpu}, {"name": "aten::_fused_adamw_", "share": 0.2, **cpu}]
+    assert "attention" not in {f.key for f in diagnose(_doctor_evidence(on_sdpa))}  # SDPA already: nothing to say
+    eager = [{"name": "aten::mm", "share": 0.4, **cpu}, {"name": "aten::_softmax", "share": 0.3, **cpu},
+             {"name": "aten::bmm", "share": 0.2, **cpu}]
+    finding = {f.key: f for f in diagnose(_doctor_evidence(eager))}["attention"]
+    assert "50%" in finding.evidence and "aten::_softmax, aten::bmm" in finding.evidence
+    assert "aten::mm" not in finding.evidence and finding.change == {"attention.backend": "sdpa"}
+    math = [{"name": "aten::_scaled_dot_product_attention_math", "share": 0.2, **cpu},
+            {"name": "aten::_softmax", "share": 0.2, **cpu}]
+    finding = {f.key: f for f in diagnose(_doctor_evidence(math))}["attention"]
+    assert "math kernel" in finding.title and finding.change is None  # already on SDPA: no switch to SDPA
+
+
+def test_doctor_keeps_the_trace_it_points_to(tmp_path, monkeypatch) -> None:
+    import tempfile
+
+    from conftest import TokenDataset
+
+    from vlmfast.profiling.doctor_cli import run_doctor
+    from vlmfast.spec import TrainSpec
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the kept folder lands here, not in /tmp
+    report = run_doctor(TrainSpec(batch_size=8), lambda: (TinyCausalLM(), TokenDataset(64), None), steps=4)
+    kept = report["text"].rsplit("profiler trace kept in ", 1)[1].split(" ", 1)[0]
+    assert list(Path(kept).glob("*.json"))  # the folder named at the end exists and holds the trace
+
+
+def test_a_comm_hook_that_does_not_apply_is_not_listed(caplog) -> None:
+    """Under the OOM fallback on several ranks DDP's hook is bypassed (vlmfast averages by hand): warned, not listed."""
+    from vlmfast.engines.ddp import DDPEngine
+    from vlmfast.spec import DDPSpec
+    from vlmfast.strategies.precision import MixedPrecision
+
+    spec = DDPSpec(comm_hook="fp16")
+    with caplog.at_level("WARNING"):
+        manual = DDPEngine(spec, CPU, MixedPrecision("fp32", CPU), world_size=2, manual_sync=True)
+    assert "does not apply" in caplog.text
+    assert not any("comm hook" in line for line in manual.describe())
+    hooked = DDPEngine(spec, CPU, MixedPrecision("fp32", CPU), world_size=2)
+    assert any("comm hook fp16" in line for line in hooked.describe())

@@ -107,7 +107,7 @@ def _warn_about_folders(spec: Any) -> None:
 
 def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:
     """The trainer for the job the arguments name, and the text-only baseline for the built-in task."""
-    spec = build_spec(args.config, args.set)  # fails here, before the model or data are built
+    spec = build_spec(args.config, args.set, builtin_task=args.task == DEFAULT_TASK)  # fails before any work
     job = run_task(args.task, spec.seed, args.samples)
     eval_data, baseline = _builtin_eval(spec.seed) if args.task == DEFAULT_TASK else (None, None)
     return job.trainer(spec, eval_data), baseline

@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DEFAULT_TASK", "DEMO_SPEC", "TaskJob", "add_job_arguments", "build_spec", "load_task", "run_task",
-           "task_job"]
+__all__ = ["DEFAULT_TASK", "DEMO_SPEC", "DEMO_TASK_SPEC", "TaskJob", "add_job_arguments", "build_spec", "load_task",
+           "run_task", "task_job"]
 
 # The built-in demo: enough steps on CPU for the loss to drop well below what a text-only model can reach.
 DEMO_SPEC: dict[str, Any] = {
@@ -31,11 +31,12 @@ DEMO_SPEC: dict[str, Any] = {
     "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
     "scheduler": {"name": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1},
     "grad_clip": 1.0,
-    # Render the next batch's images in a background thread while this step computes (CPU too): the data wait
-    # fell from ~10 % to ~4 % of the step time on the 2-core machine (benchmarks/profiling_overhead.py).
-    "data": {"device_prefetch": True},
     "log": {"progress": "auto"},
 }
+# The built-in task with no config (the demo) also renders the next batch's images in a background thread while
+# the step computes (CPU too): its data wait fell from ~10 % to ~4 % of the step time on the 2-core machine
+# (benchmarks/profiling_overhead.py). Not for --task jobs on the demo spec: their data may not be worth a thread.
+DEMO_TASK_SPEC: dict[str, Any] = {"data": {"device_prefetch": True}}
 DEFAULT_TASK = "vlmfast.models:build_tiny_vlm_task"
 
 
@@ -53,7 +54,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=4096, help="generated samples for the built-in task")
 
 
-def build_spec(config: str | None, overrides: list[str]) -> Any:
+def build_spec(config: str | None, overrides: list[str], builtin_task: bool = False) -> Any:
     """The spec from a file (or the demo spec) with --set overrides applied; validated before any work.
 
     Usage: ``build_spec("run.yaml", ["precision=bf16", "optimizer.lr=3e-4"])``
@@ -63,6 +64,8 @@ def build_spec(config: str | None, overrides: list[str]) -> Any:
     from vlmfast.spec import SpecError, TrainSpec, format_validation_error
 
     data = TrainSpec.from_file(config).to_dict() if config else json.loads(json.dumps(DEMO_SPEC))
+    if builtin_task and not config:
+        data.update(json.loads(json.dumps(DEMO_TASK_SPEC)))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:

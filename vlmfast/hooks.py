@@ -40,6 +40,7 @@ from vlmfast.engines.deepspeed import build_deepspeed_config
 from vlmfast.engines.fsdp import full_state_dict, load_full_state_dict, shard_model
 from vlmfast.features import FeatureStore, KeyedCollate, check_deterministic
 from vlmfast.features.cache import FeatureCache
+from vlmfast.integrations import find_ddp, launch_warning
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb
@@ -142,6 +143,7 @@ __all__ = [
     "enable_tf32",
     "evaluate_loss",
     "extract_loss",
+    "find_ddp",
     "find_max_micro_batch_size",
     "free_memory",
     "freeze_modules",
@@ -149,6 +151,7 @@ __all__ = [
     "init_distributed",
     "is_oom_error",
     "latest_checkpoint",
+    "launch_warning",
     "linear_cross_entropy",
     "load_checkpoint",
     "load_full_state_dict",

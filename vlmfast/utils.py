@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import random
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -54,3 +58,25 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def notice_if_slow(message: str, after_s: float = 10.0, logger: logging.Logger | None = None) -> Iterator[None]:
+    """Log `message` (a warning) if the block is still running after `after_s` seconds: for waits that are silent
+    and long only sometimes (DeepSpeed compiling its ops on first use). Nothing is logged for a quick block.
+
+    Usage: ``with notice_if_slow("DeepSpeed is building its ops ..."): deepspeed.initialize(...)``
+    """
+    done = threading.Event()
+    logger = logger or logging.getLogger("vlmfast")
+
+    def watch() -> None:
+        if not done.wait(after_s):
+            logger.warning("%s", message)
+
+    watcher = threading.Thread(target=watch, name="vlmfast-notice", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()

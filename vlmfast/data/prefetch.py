@@ -116,11 +116,13 @@ class DevicePrefetcher:
         recursively_apply(lambda t: t.record_stream(stream), tensors, error_on_other_type=False)
 
     def close(self) -> None:
-        """Finish the loads in flight, stop the background thread, and close the host loader (its workers)."""
+        """Finish the loads in flight, stop the background thread and close the host loader (its workers); later
+        batches load in the caller's thread (the doctor reads a few after training, to measure padding)."""
         while self._pending:
             self._collect()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+            self._executor = None
         getattr(self.source, "close", lambda: None)()
 
     def _to_device(self, host_batch: Any) -> Any:

@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Literal
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from vlmfast.integrations import find_ddp
 from vlmfast.spec import DDPSpec
 
+log = logging.getLogger(__name__)
 HookName = Literal["none", "fp16", "bf16", "powersgd", "batched_powersgd"]
 WrapperName = Literal["none", "fp16", "bf16"]
 
@@ -85,6 +87,7 @@ def register_comm_hook(
         ddp_model.register_comm_hook(group, _COMPRESS_HOOKS[hook])
         return group
     state = _powersgd_state(group, rank, start_iter, warm_start, error_feedback, min_compression_rate)
+    _warn_powersgd_not_checkpointed(hook, start_iter, warm_start, error_feedback)
     hook_fn = _POWERSGD_HOOKS[hook]
     if wrapper != "none":
         hook_fn = _WRAPPERS[wrapper](hook_fn)
@@ -132,6 +135,26 @@ def one_bucket_at_a_time(hook_fn: Callable[..., Any]) -> Callable[..., Any]:
         return future
 
     return serialized_hook
+
+
+_POWERSGD_WARNED: list[bool] = []
+
+
+def _warn_powersgd_not_checkpointed(hook: str, start_iter: int, warm_start: bool, error_feedback: bool) -> None:
+    """Once per process: PowerSGD's state lives in the hook, outside every checkpoint.
+
+    Why not saved: its error-feedback and warm-start tensors are keyed by DDP bucket index, and a resumed DDP
+    starts with its initial buckets (rebuilt after the first step), so saved tensors would land on the wrong
+    buckets. A resumed run therefore restarts compression from scratch: close to, not exactly, the run it resumes."""
+    if _POWERSGD_WARNED:
+        return
+    _POWERSGD_WARNED.append(True)
+    kept = [name for name, on in (("error feedback", error_feedback), ("warm start", warm_start)) if on]
+    log.warning(
+        "ddp.comm_hook=%s: PowerSGD's state (%s, its step counter) is not saved in checkpoints: a resumed run "
+        "restarts PowerSGD (plain all-reduce for ddp.powersgd.start_iter=%d steps, then compression without the "
+        "carried error), so it follows the uninterrupted run closely but not exactly. Use ddp.comm_hook: fp16 (no "
+        "state) when bit-exact resume matters", hook, ", ".join(kept) or "no error feedback", start_iter)
 
 
 def _check_names(hook: str, wrapper: str) -> None:

@@ -34,9 +34,10 @@ from vlmfast.engines.base import Engine, OptimizerFactory, StepResult
 from vlmfast.engines.build_locks import explain_build_locks
 from vlmfast.engines.deepspeed_safe_load import weights_only_loading
 from vlmfast.engines.process_group import ensure_process_group
+from vlmfast.integrations import filter_deepspeed_warnings
 from vlmfast.spec import SpecError, TrainSpec
 from vlmfast.strategies.precision import EnginePrecision
-from vlmfast.utils import PRECISION_DTYPES
+from vlmfast.utils import PRECISION_DTYPES, notice_if_slow
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,13 @@ def _refuse_conflict(config: dict[str, Any], key: str, value: Any) -> None:
                         f"spec field {field} and remove it from the DeepSpeed JSON")
 
 
+DEEPSPEED_BUILD_NOTICE = (
+    "DeepSpeed is still starting after 10 s: on first use it compiles its C++ ops with ninja (minutes on a CPU "
+    "machine; cached under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, so later runs start at once). "
+    "If nothing happens for much longer, another process may hold (or a killed one may have left) the build's "
+    "lock file in that folder")
+
+
 class DeepSpeedEngine(Engine):
     """The DeepSpeed engine behind the loop's backward / step / checkpoint points."""
 
@@ -133,9 +141,10 @@ class DeepSpeedEngine(Engine):
             raise SpecError("engine: deepspeed needs DeepSpeed: pip install 'vlmfast[deepspeed]' (on a machine "
                             "without CUDA: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)") from exc
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown vlmfast's report
+        filter_deepspeed_warnings()  # torch's per-step deprecation FutureWarnings for DeepSpeed's collectives
         ensure_process_group()
         self.module, self.optimizer = model, build_optimizer(model)
-        with explain_build_locks():  # a killed op build's lock file would make this wait forever, silently
+        with explain_build_locks(), notice_if_slow(DEEPSPEED_BUILD_NOTICE):  # a stale lock; a slow first build
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config,
                                                         dist_init_required=False)
         return self.engine

@@ -41,7 +41,6 @@ ATTENTION_MIN = 0.15
 PADDING_MIN = 0.20
 HEADROOM_MAX = 0.50  # peak below this share of device memory: room for a larger micro-batch
 OOM_RISK_MIN = 0.90  # peak above this share: one longer batch away from OOM
-ATTENTION_OPS = ("attention", "softmax", "baddbmm", "bmm")
 
 
 @dataclass
@@ -201,18 +200,47 @@ def _communication(ev: Evidence) -> Finding | None:
 
 
 def _attention(ev: Evidence) -> Finding | None:
+    """Eager attention (softmax + batched matmuls, or SDPA's math kernel) taking a large share of the trace.
+
+    Judged on the operators that ran: SDPA's fused kernels (flash, memory-efficient, cuDNN, and the CPU flash
+    kernel) are already the fast path, and plain matmuls (aten::mm) or the optimizer's kernels are no attention."""
     if not ev.top_ops:
         return None
-    share = sum(op["share"] for op in ev.top_ops if any(name in op["name"].lower() for name in ATTENTION_OPS))
+    eager = [op for op in ev.top_ops if attention_kind(op["name"]) in ("eager", "math")]
+    fused = [op for op in ev.top_ops if attention_kind(op["name"]) == "fused"]
+    share = sum(op["share"] for op in eager)
     if share < ATTENTION_MIN:
         return None
     compute = ev.share("forward") + ev.share("backward")
+    names = ", ".join(op["name"] for op in eager[:3])
+    evidence = (f"eager attention operators take {share:.0%} of profiled {ev.top_ops[0]['clock']} time ({names})"
+                + (f"; fused attention kernels also ran ({fused[0]['name']})" if fused else ""))
+    if any(attention_kind(op["name"]) == "math" for op in eager):
+        return Finding("attention", "SDPA runs its math kernel (no fused kernel accepted the inputs)",
+                       share * compute * 0.5, evidence, None,
+                       "a fused kernel needs a supported dtype, head size and mask (see attention.sdpa_kernels and "
+                       "docs/attention.md); flash needs CUDA and fp16/bf16")
     change = _first_valid(ev.spec, [{"attention.backend": "sdpa"}, {"attention.implementation": "sdpa"}])
     return Finding("attention", "Attention is memory-bandwidth bound (eager softmax/bmm)", share * compute * 0.5,
-                   f"attention operators take {share:.0%} of profiled {ev.top_ops[0]['clock']} time "
-                   f"({', '.join(op['name'] for op in ev.top_ops[:3])} lead)",
-                   change, "use torch SDPA or FlashAttention (attn_implementation='sdpa'/'flash_attention_2' for "
-                   "Hugging Face models); below ~512 tokens the gain is small")
+                   evidence, change, "use torch SDPA or FlashAttention (attn_implementation='sdpa'/"
+                   "'flash_attention_2' for Hugging Face models); below ~512 tokens the gain is small")
+
+
+def attention_kind(op_name: str) -> str | None:
+    """'fused' (an SDPA flash / efficient / cuDNN kernel, CPU flash included), 'math' (SDPA's math fallback),
+    'eager' (softmax, bmm, baddbmm: attention written out), or None (anything else: mm, the optimizer ...).
+
+    Usage: ``attention_kind("aten::_scaled_dot_product_flash_attention_for_cpu")  # -> "fused"``
+    """
+    name = op_name.lower().rsplit("::", 1)[-1]
+    if "_attention_math" in name:
+        return "math"
+    if any(kernel in name for kernel in ("flash_attention", "efficient_attention", "cudnn_attention",
+                                         "fused_attention", "flash_attn")):
+        return "fused"
+    if name.lstrip("_").startswith("softmax") or name in ("bmm", "baddbmm"):
+        return "eager"
+    return None
 
 
 def _precision(ev: Evidence) -> Finding | None:
@@ -350,10 +378,11 @@ def format_findings(findings: Sequence[Finding], evidence: Evidence) -> str:
 
 # ---- profiling a real job ------------------------------------------------------------------------------------
 def doctor_spec(spec: TrainSpec, steps: int = 20, out_dir: str | None = None,
-                trace_dir: str | None = None) -> TrainSpec:
-    """`spec` turned into a short profiling run: every step timed, a torch.profiler window near the end, no
-    checkpoints, no evaluation, no progress bar (everything that decides speed is left as the user set it).
-    Metrics, plot and trace go to `out_dir` (trace: `trace_dir` when given)."""
+                trace_dir: str | None = None, trace: bool = True) -> TrainSpec:
+    """`spec` turned into a short profiling run: every step timed, a torch.profiler window near the end (unless
+    `trace` is False: the one-flag-at-a-time trials need only the timings), no checkpoints, no evaluation, no
+    progress bar (everything that decides speed is left as the user set it). Metrics, plot and trace go to
+    `out_dir` (trace: `trace_dir` when given)."""
     if steps < 4:
         raise ValueError(f"doctor --steps must be >= 4 (warm-up, then timed steps), got {steps}")
     warmup = max(1, steps // 5)
@@ -361,7 +390,7 @@ def doctor_spec(spec: TrainSpec, steps: int = 20, out_dir: str | None = None,
         "max_steps": steps, "save.dir": None, "save.every_steps": None, "save.resume": "never",
         "eval.every_steps": None, "log.progress": "off", "log.dir": out_dir, "log.tensorboard": False,
         "memory.leak_check": False, "profile.timing": True, "profile.every_steps": 1, "profile.warmup_steps": warmup,
-        "profile.plots": out_dir is not None, "profile.trace.enabled": True, "profile.trace.format": "chrome",
+        "profile.plots": out_dir is not None, "profile.trace.enabled": trace, "profile.trace.format": "chrome",
         "profile.trace.start_step": max(warmup + 1, steps - 2), "profile.trace.warmup_steps": 1,
         "profile.trace.active_steps": min(2, steps - max(warmup + 1, steps - 2) + 1),
         "profile.trace.dir": trace_dir or (f"{out_dir}/profiler" if out_dir else None),

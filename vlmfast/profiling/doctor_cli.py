@@ -68,18 +68,20 @@ def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
     )
 
     main_process = [True]
-    scratch = tempfile.TemporaryDirectory(prefix="vlmfast-doctor-")  # traces of runs the user did not ask to keep
+    # The baseline's trace is printed (report line, findings), so it is kept: in --out, else in a folder of its own
+    # that the doctor names at the end. The trials need only timings: no trace, nothing to delete.
+    trace_dir = None if out_dir else tempfile.mkdtemp(prefix="vlmfast-doctor-") + "/profiler"
 
-    def run(candidate: Any, keep: str | None = None) -> Any:
-        trace_dir = None if keep else f"{scratch.name}/profiler"
-        trainer, result = _fit(doctor_spec(candidate, steps, keep, trace_dir), build_job)
+    def run(candidate: Any, keep: str | None = None, trace: bool = False) -> Any:
+        spec_run = doctor_spec(candidate, steps, keep, trace_dir if trace else None, trace=trace)
+        trainer, result = _fit(spec_run, build_job)
         main_process[0] = trainer.is_main_process
         from vlmfast.profiling.doctor import collect_evidence
 
         return collect_evidence(trainer, result)
 
     print(f"vlmfast doctor: profiling {steps} steps ...", file=sys.stderr)
-    evidence = run(spec, out_dir)
+    evidence = run(spec, out_dir, trace=True)
     findings = diagnose(evidence)
     text = format_findings(findings, evidence)
     trials = []
@@ -88,9 +90,10 @@ def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
               file=sys.stderr)
         trials = one_flag_at_a_time(run, spec, findings, baseline=evidence)
         text += "\n\none flag at a time (each change alone, same steps):\n" + format_trials(trials)
-    scratch.cleanup()
     if not main_process[0]:
         return None
+    if trace_dir is not None and main_process[0]:
+        text += f"\n\nprofiler trace kept in {trace_dir} (open in ui.perfetto.dev; --out DIR chooses the folder)"
     return {"text": text, "findings": [asdict(f) for f in findings], "trials": [asdict(t) for t in trials],
             "step_time_p50_ms": evidence.step_ms, "mfu": evidence.mfu}
 

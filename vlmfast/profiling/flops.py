@@ -152,29 +152,36 @@ def real_token_fraction(batch: Any, lm_tokens: int | None) -> float:
 class FlopsMeter:
     """Model FLOPs per micro-batch, measured once per shape bucket (or by formula); see the module docstring."""
 
-    def __init__(self, model: nn.Module, method: str = "measured") -> None:
+    def __init__(self, model: nn.Module, method: str = "measured", per_shape: bool = False) -> None:
         if method not in ("auto", "measured", "analytic"):
             raise ValueError(f"profile.flops must be 'auto', 'measured' or 'analytic', got {method!r}")
         self.model = model
         self.method = method  # "auto" becomes one of the other two at the first micro-batch
+        # measured: FlopCounterMode costs ~6x a step, so by default only the first micro-batch is counted and other
+        # shapes are scaled from it; per_shape counts every new shape (exact, for measurement scripts)
+        self.per_shape = per_shape
         self.buckets: dict[tuple, MeasuredFlops] = {}
+        self._sizes: dict[tuple, int] = {}  # elements of the batch each bucket was counted on
+        self._pending_size = 0
         self._roles = find_submodules(model)
         if method == "measured":
             _count_flash_attn_ops()
         self._towers: dict[int, tuple[int, bool]] = {}  # analytic: (matmul params, trainable) per tower, once
 
     def will_measure(self, micro_batch: Any) -> bool:
-        """Whether :meth:`count` would run FlopCounterMode on this micro-batch (measured, new shape)."""
+        """Whether :meth:`count` would run FlopCounterMode on this micro-batch: measured, and nothing counted yet
+        (`per_shape`: or a new shape)."""
         self._resolve(micro_batch)
-        return self.method == "measured" and shape_key(micro_batch) not in self.buckets
+        if self.method != "measured":
+            return False
+        return not self.buckets or (self.per_shape and shape_key(micro_batch) not in self.buckets)
 
     def count(self, micro_batch: Any) -> contextlib.AbstractContextManager[None]:
-        """Wrap the forward + backward of `micro_batch`: counted under FlopCounterMode if its shape is new."""
-        self._resolve(micro_batch)
-        if self.method == "analytic":
+        """Wrap the forward + backward of `micro_batch`: counted under FlopCounterMode when :meth:`will_measure`."""
+        if not self.will_measure(micro_batch):
             return contextlib.nullcontext()
-        key = shape_key(micro_batch)  # every micro-batch: computed once
-        return contextlib.nullcontext() if key in self.buckets else self._measure(key)
+        self._pending_size = _batch_elements(micro_batch)
+        return self._measure(shape_key(micro_batch))
 
     def flops(self, micro_batch: Any) -> float:
         """Model FLOPs of one forward + backward of `micro_batch` (pass the host batch: the mask is read)."""
@@ -183,10 +190,17 @@ class FlopsMeter:
             towers = describe_towers(self.model, micro_batch, tower_params=self._tower_params)
             return sum(transformer_flops(tower) for tower in towers)
         measured = self.buckets.get(shape_key(micro_batch))
+        scale = 1.0
         if measured is None:
-            return 0.0  # shape not measured yet (the caller skipped count()): no figure rather than a wrong one
+            if not self.buckets:
+                return 0.0  # nothing measured yet (the caller skipped count()): no figure rather than a wrong one
+            # Another shape: the counted one scaled by the batch's elements (dense FLOPs grow with tokens/pixels;
+            # the attention term's quadratic part is left out of the scaling). FlopsMeter(per_shape=True) counts each.
+            reference, measured = next(iter(self._sizes.items())), next(iter(self.buckets.values()))
+            scale = _batch_elements(micro_batch) / max(reference[1], 1)
         lm = measured.by_role.get("language_model", measured.total if not measured.by_role else 0.0)
-        return measured.total - lm * (1.0 - real_token_fraction(micro_batch, measured.lm_tokens))
+        fraction = real_token_fraction(micro_batch, measured.lm_tokens * scale if measured.lm_tokens else None)
+        return scale * measured.total - scale * lm * (1.0 - fraction)
 
     def _resolve(self, micro_batch: Any) -> None:
         """`auto`: the formula when this model and batch allow it (free), else FlopCounterMode."""
@@ -219,6 +233,7 @@ class FlopsMeter:
                 handle.remove()
         self.buckets[key] = MeasuredFlops(float(mode.get_total_flops()), self._by_role(mode),
                                           lm_tokens[0] if lm_tokens else None)
+        self._sizes[key] = self._pending_size
 
     def _by_role(self, mode: FlopCounterMode) -> dict[str, float]:
         counts = mode.get_flop_counts()
@@ -229,6 +244,17 @@ class FlopsMeter:
             path = f"{root}.{names[id(module)]}"
             by_role[role] = float(sum(counts.get(path, {}).values()))
         return by_role
+
+
+def _batch_elements(batch: Any) -> int:
+    """Elements of every tensor in a batch: what dense FLOPs scale with between shapes."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, Mapping):
+        return sum(_batch_elements(value) for value in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_batch_elements(value) for value in batch)
+    return 0
 
 
 def _leading_tokens(args: tuple, kwargs: dict) -> int:
