@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vlmfast.memory.estimator import _DTYPES, CHECKPOINT_SCOPES, OPTIMIZERS
+from vlmfast.memory.estimator import CHECKPOINT_SCOPES, OPTIMIZERS
 from vlmfast.memory.known_models import KNOWN_CONFIGS, TINY_VLM, estimate_from_hf_config
+from vlmfast.utils import PRECISION_DTYPES
 
 __all__ = ["add_estimate_memory_parser", "run_estimate_memory"]
 
@@ -27,7 +28,8 @@ def add_estimate_memory_parser(subparsers: Any) -> argparse.ArgumentParser:
     source.add_argument("--model", choices=[*KNOWN_CONFIGS, TINY_VLM], default="llava-1.5-7b",
                         help="a known model (default: llava-1.5-7b)")
     source.add_argument("--hf-config", metavar="CONFIG.json", help="a Hugging Face config.json (or its folder)")
-    p.add_argument("--precision", choices=sorted(_DTYPES), default="bf16", help="training precision (default bf16)")
+    p.add_argument("--precision", choices=sorted(PRECISION_DTYPES), default="bf16",
+                   help="training precision (default bf16)")
     p.add_argument("--no-master-weights", dest="master_weights", action="store_false",
                    help="16-bit optimizer states, no fp32 master weights (the reference guide's accounting)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
@@ -39,6 +41,12 @@ def add_estimate_memory_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--offload-params", action="store_true", help="ZeRO-3 offload of weights to host RAM")
     p.add_argument("--checkpointing", nargs="?", const="all", default=False, choices=CHECKPOINT_SCOPES,
                    help="activation checkpointing (optionally only 'language_model' or 'vision')")
+    p.add_argument("--checkpoint-budget-gb", type=float, default=None, metavar="GIB",
+                   help="activation_checkpointing.budget_gb: checkpoint only the blocks (and ops) needed to fit")
+    p.add_argument("--linear-cross-entropy", action="store_true",
+                   help="chunked linear cross-entropy: the loss keeps no [tokens, vocab] logits")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
+                   help="micro-batches by tokens: rows = N // seq-len (the longest sample)")
     p.add_argument("--freeze", action="append", default=[], metavar="MODULE",
                    help="freeze a component or module path, e.g. --freeze vision_tower (repeatable)")
     p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
@@ -58,7 +66,8 @@ def run_estimate_memory(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, world_size=args.world_size,
         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
         activation_checkpointing=args.checkpointing, frozen=args.freeze, gpu_memory_gb=args.gpu_gb,
-        master_weights=args.master_weights,
+        master_weights=args.master_weights, checkpoint_budget_gb=args.checkpoint_budget_gb,
+        linear_cross_entropy=args.linear_cross_entropy, micro_batch_tokens=args.micro_batch_tokens,
     )
     print(est.to_table())
     if est.fits():
