@@ -80,10 +80,6 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     labels[:, : int(args.ignored * args.tokens)] = -100  # image and prompt tokens carry no loss
     batch = {"input_ids": ids, "labels": labels}
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids[:, : args.tokens]).last_hidden_state
-    saved = _loss_path_bytes(model, hidden, batch["labels"], args.variant == "chunked")
-    del hidden
     rss_before = psutil.Process().memory_info().rss
     times = []
     for step in range(1 + args.steps):
@@ -95,6 +91,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         if step:
             times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with torch.no_grad():  # after the peak was read: this measurement allocates the logits once more
+        hidden = model.model(input_ids=ids).last_hidden_state
+    saved = _loss_path_bytes(model, hidden, labels, args.variant == "chunked")
     return {"variant": args.variant, "step_times_s": times, "loss": float(loss), "loss_path_saved_bytes": saved,
             "rss_before_mb": rss_before / 2**20, "step_peak_rss_mb": (peak - rss_before) / 2**20}
 

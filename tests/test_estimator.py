@@ -280,7 +280,8 @@ def test_cheapest_fixes_make_7b_fit_on_24gb(llava7b):
     assert order == sorted(order)
     # Re-estimating from scratch with the plan's options gives the same, fitting, numbers.
     again = llava7b.reestimate(**{k: getattr(plan.estimate.options, k) for k in (
-        "micro_batch_size", "activation_checkpointing", "precision", "frozen", "zero_stage", "offload_optimizer")})
+        "micro_batch_size", "activation_checkpointing", "precision", "frozen", "zero_stage", "offload_optimizer",
+        "linear_cross_entropy", "checkpoint_budget_gb")})
     assert again.gpu_bytes == plan.estimate.gpu_bytes and again.fits(24)
 
 

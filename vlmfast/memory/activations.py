@@ -149,16 +149,17 @@ class ModelProbe:
     Usage: ``probe = default_activation_probe(model); loss = probe(2, seq_len=512)``
     """
 
-    run: Callable[[int, int], Any]
+    run: Callable[..., Any]  # (micro_batch_size, seq_len, chunked_loss) -> loss
     default_seq_len: int
     max_seq_len: int | None = None
     includes_images: bool = True  # False: a VLM probed with text only (its images' activations are not in it)
 
-    def __call__(self, micro_batch_size: int, seq_len: int | None = None) -> Any:
+    def __call__(self, micro_batch_size: int, seq_len: int | None = None, chunked_loss: bool = False) -> Any:
+        """The probe's loss; ``chunked_loss``: the head and loss by ``linear_cross_entropy`` (no full logits)."""
         seq_len = seq_len or self.default_seq_len
         if self.max_seq_len is not None and seq_len > self.max_seq_len:
             raise ValueError(f"seq_len {seq_len} exceeds the model's {self.max_seq_len} positions")
-        return self.run(micro_batch_size, seq_len)
+        return self.run(micro_batch_size, seq_len, chunked_loss)
 
 
 def _first_param(model: nn.Module) -> torch.Tensor:
@@ -171,10 +172,19 @@ def _lm_loss(logits: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device))
 
 
+def _chunked_lm_loss(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    """The loss ``linear_cross_entropy`` computes from the hidden states: what it keeps instead of the logits."""
+    from vlmfast.strategies.linear_cross_entropy import linear_cross_entropy
+
+    targets = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
+    targets[:, -1] = -100  # the shift: the last position predicts nothing
+    return linear_cross_entropy(hidden, head.weight, targets, bias=getattr(head, "bias", None), reduction="mean")
+
+
 def _tiny_vlm_probe(model: nn.Module) -> ModelProbe:
     cfg = model.config
 
-    def run(mbs: int, seq_len: int) -> Any:
+    def run(mbs: int, seq_len: int, chunked_loss: bool = False) -> Any:
         device = _first_param(model).device
         text_len = seq_len - cfg.num_image_tokens
         if text_len < 2:
@@ -182,6 +192,8 @@ def _tiny_vlm_probe(model: nn.Module) -> ModelProbe:
         # Zeros: what is saved depends on shapes only, and the caller's random stream stays untouched.
         pixels = torch.zeros(mbs, 3, cfg.image_size, cfg.image_size, device=device)
         ids = torch.zeros(mbs, text_len, dtype=torch.long, device=device)
+        if chunked_loss:
+            return _chunked_lm_loss(model.hidden_states_for_loss(pixels, ids), model.get_output_embeddings())
         return model(pixels, ids, labels=ids).loss
 
     return ModelProbe(run, cfg.max_positions, cfg.max_positions)
@@ -199,7 +211,7 @@ def _llava_probe(model: nn.Module, vision: nn.Module, projector: nn.Module, lm: 
     layer = cfg.vision_feature_layer
     head = getattr(model, "lm_head", None)
 
-    def run(mbs: int, seq_len: int) -> Any:
+    def run(mbs: int, seq_len: int, chunked_loss: bool = False) -> Any:
         param = _first_param(model)
         size = cfg.vision_config.image_size
         pixels = torch.zeros(mbs, 3, size, size, device=param.device, dtype=param.dtype)
@@ -214,6 +226,8 @@ def _llava_probe(model: nn.Module, vision: nn.Module, projector: nn.Module, lm: 
         ids = torch.zeros(mbs, text_len, dtype=torch.long, device=param.device)
         text = lm.get_input_embeddings()(ids)
         out = lm(inputs_embeds=torch.cat([image.to(text.dtype), text], 1))
+        if chunked_loss and not hasattr(out, "logits"):
+            return _chunked_lm_loss(out[0], head)
         logits = out.logits if hasattr(out, "logits") else head(out[0])
         return _lm_loss(logits)
 
@@ -227,8 +241,11 @@ def _max_positions(cfg: Any) -> int | None:
 def _causal_lm_probe(model: nn.Module) -> ModelProbe:
     limit = _max_positions(model.config)
 
-    def run(mbs: int, seq_len: int) -> Any:
+    def run(mbs: int, seq_len: int, chunked_loss: bool = False) -> Any:
         ids = torch.zeros(mbs, seq_len, dtype=torch.long, device=_first_param(model).device)
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        if chunked_loss and isinstance(base, nn.Module) and base is not model:
+            return _chunked_lm_loss(base(input_ids=ids)[0], model.get_output_embeddings())
         return _lm_loss(model(input_ids=ids).logits)
 
     return ModelProbe(run, min(limit or DEFAULT_HF_SEQ_LEN, DEFAULT_HF_SEQ_LEN), limit)

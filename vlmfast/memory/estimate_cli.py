@@ -41,6 +41,12 @@ def add_estimate_memory_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--offload-params", action="store_true", help="ZeRO-3 offload of weights to host RAM")
     p.add_argument("--checkpointing", nargs="?", const="all", default=False, choices=CHECKPOINT_SCOPES,
                    help="activation checkpointing (optionally only 'language_model' or 'vision')")
+    p.add_argument("--checkpoint-budget-gb", type=float, default=None, metavar="GIB",
+                   help="activation_checkpointing.budget_gb: checkpoint only the blocks (and ops) needed to fit")
+    p.add_argument("--linear-cross-entropy", action="store_true",
+                   help="chunked linear cross-entropy: the loss keeps no [tokens, vocab] logits")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
+                   help="micro-batches by tokens: rows = N // seq-len (the longest sample)")
     p.add_argument("--freeze", action="append", default=[], metavar="MODULE",
                    help="freeze a component or module path, e.g. --freeze vision_tower (repeatable)")
     p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
@@ -64,7 +70,8 @@ def run_estimate_memory(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, world_size=args.world_size,
         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
         activation_checkpointing=args.checkpointing, frozen=args.freeze, gpu_memory_gb=args.gpu_gb,
-        master_weights=args.master_weights,
+        master_weights=args.master_weights, checkpoint_budget_gb=args.checkpoint_budget_gb,
+        linear_cross_entropy=args.linear_cross_entropy, micro_batch_tokens=args.micro_batch_tokens,
     )
     print(est.to_table())
     if args.vision_cache:

@@ -294,6 +294,9 @@ def estimate_memory(
     gpu_memory_gb: float | None = None,
     master_weights: bool = True,
     gpus_per_node: int | None = None,
+    linear_cross_entropy: bool = False,
+    checkpoint_budget_gb: float | None = None,
+    micro_batch_tokens: int | None = None,
 ) -> MemoryEstimate:
     """Per-GPU memory of training ``model`` with these settings (see the module docstring for the accounting).
 
@@ -304,14 +307,18 @@ def estimate_memory(
     top of those with ``requires_grad`` False. ``activation_probe``: a callable ``(micro_batch_size[, seq_len]) ->
     loss`` or an example batch for ``model``; it runs a forward at micro-batch 1 and 2 (free on the meta device).
     Without one, vlmfast's tiny VLM and Hugging Face LLaVA / causal LMs get a built-in probe when on the meta device
-    or small; other models are estimated without activations (the table says so).
+    or small; other models are estimated without activations (the table says so). ``linear_cross_entropy``: the
+    built-in probes compute their loss chunked (no logits kept); ``checkpoint_budget_gb``: the blocks the budget
+    planner would checkpoint (``activation_checkpointing.budget_gb``); ``micro_batch_tokens``: rows per micro-batch
+    = tokens // sequence length (``micro_batch_size`` is then ignored for activations).
     """
     frozen = (frozen,) if isinstance(frozen, str) else frozen
     opts = EstimateOptions(
         precision=precision, optimizer=optimizer, micro_batch_size=micro_batch_size, seq_len=seq_len,
         world_size=world_size, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
         offload_params=offload_params, activation_checkpointing=activation_checkpointing, frozen=tuple(frozen),
-        master_weights=master_weights, gpus_per_node=gpus_per_node,
+        master_weights=master_weights, gpus_per_node=gpus_per_node, linear_cross_entropy=linear_cross_entropy,
+        checkpoint_budget_gb=checkpoint_budget_gb, micro_batch_tokens=micro_batch_tokens,
     )
     probe, is_default = activation_probe, False
     if probe is not None and not callable(probe):
@@ -396,24 +403,73 @@ def _as_trained(model: nn.Module, precision: str, frozen: Sequence[nn.Parameter]
             param.requires_grad_(flag)
 
 
-def _measure(ctx: _Context, opts: EstimateOptions, frozen: set[str], mbs: int) -> _Measurement:
+def _probe_call(ctx: _Context, opts: EstimateOptions, mbs: int) -> Callable[[], Any]:
     takes_seq_len = _accepts_seq_len(ctx.probe) and opts.seq_len is not None  # None: the probe's own length
-    key = (opts.precision, frozenset(frozen), opts.seq_len if takes_seq_len else None, mbs)
+    chunked = opts.linear_cross_entropy and isinstance(ctx.probe, ModelProbe)
+    if chunked:
+        return lambda: ctx.probe(mbs, seq_len=opts.seq_len, chunked_loss=True)
+    return (lambda: ctx.probe(mbs, seq_len=opts.seq_len)) if takes_seq_len else (lambda: ctx.probe(mbs))
+
+
+def _measure(ctx: _Context, opts: EstimateOptions, frozen: set[str], mbs: int, *, blocks: bool = False) -> Any:
+    """What the probe saves at micro-batch ``mbs`` (``blocks``: per-block costs for the budget planner)."""
+    takes_seq_len = _accepts_seq_len(ctx.probe) and opts.seq_len is not None
+    chunked = opts.linear_cross_entropy and isinstance(ctx.probe, ModelProbe)
+    key = (opts.precision, frozenset(frozen), opts.seq_len if takes_seq_len else None, mbs, chunked, blocks)
     if key not in ctx.cache:
         params = [p for group in ctx.groups.values() for n, p in group if n in frozen]
-        call = (lambda: ctx.probe(mbs, seq_len=opts.seq_len)) if takes_seq_len else (lambda: ctx.probe(mbs))
+        call = _probe_call(ctx, opts, mbs)
         with _as_trained(ctx.model, opts.precision, params):
-            ctx.cache[key] = measure_saved_activations(ctx.model, call)
+            if blocks:
+                from vlmfast.memory.checkpoint_budget import measure_block_costs
+
+                ctx.cache[key] = measure_block_costs(ctx.model, call)
+            else:
+                ctx.cache[key] = measure_saved_activations(ctx.model, call)
     return ctx.cache[key]
+
+
+def _rows(ctx: _Context, opts: EstimateOptions, notes: list[str]) -> int:
+    """Rows per micro-batch: micro_batch_size, or micro_batch_tokens // the sequence length (the longest sample)."""
+    if opts.micro_batch_tokens is None:
+        return opts.micro_batch_size
+    seq_len = opts.seq_len or (ctx.probe.default_seq_len if isinstance(ctx.probe, ModelProbe) else None)
+    if seq_len is None:
+        notes.append("micro_batch_tokens ignored: the probe has no sequence length (pass seq_len)")
+        return opts.micro_batch_size
+    rows = max(opts.micro_batch_tokens // seq_len, 1)
+    notes.append(f"micro_batch_tokens {opts.micro_batch_tokens}: {rows} row(s) of the longest sample "
+                 f"({seq_len} tokens) per micro-batch; shorter samples go more at a time in the same memory")
+    return rows
+
+
+def _budget_activations(ctx: _Context, opts: EstimateOptions, frozen: set[str], rows: int,
+                        notes: list[str]) -> int:
+    """The backward peak of the plan activation_checkpointing.budget_gb would choose at ``rows`` per micro-batch."""
+    from vlmfast.memory.checkpoint_budget import plan_checkpointing
+
+    small, large = (_measure(ctx, opts, frozen, b, blocks=True) for b in PROBE_BATCH_SIZES)
+    costs = large.extrapolate(small, rows, this_at=PROBE_BATCH_SIZES[1], other_at=PROBE_BATCH_SIZES[0])
+    towers = {"all": ("vision", "language"), "vision": ("vision",), "language_model": ("language",)}[
+        opts.checkpoint_scope or "all"]
+    plan = plan_checkpointing(costs, int(opts.checkpoint_budget_gb * GB), towers=towers)
+    notes.append(f"activation_checkpointing.budget_gb {opts.checkpoint_budget_gb:g}: {plan.describe()}")
+    return plan.peak_bytes
 
 
 def _activations(ctx: _Context, opts: EstimateOptions, frozen: set[str]) -> tuple[int, int | None, list[str]]:
     """(bytes at the requested micro-batch, sequence length measured at, notes)."""
     if ctx.probe is None:
         return 0, opts.seq_len, ["activations not included: pass activation_probe (a callable or a batch)"]
+    notes: list[str] = []
+    if opts.linear_cross_entropy:
+        notes.append("linear_cross_entropy: the loss path keeps no logits" if isinstance(ctx.probe, ModelProbe) else
+                     "linear_cross_entropy not reflected: a custom probe computes its own loss")
+    rows = _rows(ctx, opts, notes)
     sizes = tuple(getattr(ctx.probe, "probe_sizes", PROBE_BATCH_SIZES))  # a real batch: half of it and all of it
     try:
         measured = [_measure(ctx, opts, frozen, b) for b in sizes]
+        budget = _budget_activations(ctx, opts, frozen, rows, notes) if opts.checkpoint_budget_gb else None
     except Exception as exc:
         if not ctx.probe_is_default or isinstance(exc, ValueError):  # a bad seq_len is the caller's to fix
             raise
@@ -431,8 +487,7 @@ def _activations(ctx: _Context, opts: EstimateOptions, frozen: set[str]) -> tupl
         # Real samples differ (a text-only half, a two-image half): when the two points do not fit a line through
         # a positive fixed part, the whole measurement's per-sample average is the better guess.
         slope, fixed = counts[-1] / sizes[-1], 0.0
-    total = round(fixed + slope * opts.micro_batch_size)
-    notes: list[str] = []
+    total = round(fixed + slope * rows) if budget is None else budget
     if not getattr(ctx.probe, "includes_images", True):
         notes.append("activations measured on text only: the images' share is not included (pass activation_probe="
                      "a real batch, images included)")
@@ -488,7 +543,10 @@ def _describe(est: MemoryEstimate) -> str:
     zero += f" (offload {' + '.join(offload)})" if offload else ""
     seq = f" x seq {est.seq_len}" if est.seq_len else ""
     ckpt = f", checkpointing {o.checkpoint_scope}" if o.checkpoint_scope else ""
-    return f"{prec}, {o.optimizer}, micro-batch {o.micro_batch_size}{seq}, {o.world_size} GPU(s), {zero}{ckpt}"
+    ckpt = f", checkpointing budget {o.checkpoint_budget_gb:g} GiB" if o.checkpoint_budget_gb else ckpt
+    ckpt += ", chunked cross-entropy" if o.linear_cross_entropy else ""
+    mbs = f"{o.micro_batch_tokens} tokens" if o.micro_batch_tokens else f"{o.micro_batch_size}"
+    return f"{prec}, {o.optimizer}, micro-batch {mbs}{seq}, {o.world_size} GPU(s), {zero}{ckpt}"
 
 
 def _format_table(est: MemoryEstimate) -> str:

@@ -2,13 +2,15 @@
 
 Usage: ``plan = est.plan_fixes(24); plan.changes, plan.estimate.fits(24)`` (or ``est.cheapest_fixes(24)``)
 
-A smaller micro-batch first (gradient accumulation keeps the effective batch), then activation checkpointing,
+A smaller micro-batch first (gradient accumulation keeps the effective batch), then chunked cross-entropy (no
+logits kept), activation checkpointing (a budget when all of it is not needed),
 mixed precision, freezing the vision tower, ZeRO-2, ZeRO-3, optimizer offload and parameter offload, each kept
 only if it saves memory, until the estimate fits; then the largest micro-batch that still fits.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -20,7 +22,9 @@ __all__ = ["FIX_STEPS", "SPEC_KEYS", "Estimate", "FixPlan", "plan_fixes"]
 # The spec fields the fixes name; deepspeed.* is not in TrainSpec yet (DESIGN.md lists the section).
 SPEC_KEYS = {
     "micro_batch_size": "micro_batch_size",
+    "linear_cross_entropy": "linear_cross_entropy.enabled",
     "checkpointing": "activation_checkpointing.enabled",
+    "checkpoint_budget": "activation_checkpointing.budget_gb",
     "precision": "precision",
     "freeze": "optimizer.freeze",
     "zero_stage": "deepspeed.zero_stage",
@@ -76,6 +80,13 @@ class FixPlan(Generic[E]):
 _Step = Callable[[Estimate], tuple[str, dict[str, Any]] | None]
 
 
+def _fix_linear_cross_entropy(est: Estimate) -> tuple[str, dict[str, Any]] | None:
+    if est.options.linear_cross_entropy:
+        return None
+    return (f"{SPEC_KEYS['linear_cross_entropy']}: true (the loss keeps no [tokens, vocab] logits)",
+            {"linear_cross_entropy": True})
+
+
 def _fix_checkpointing(est: Estimate) -> tuple[str, dict[str, Any]] | None:
     if est.options.checkpoint_scope is not None:
         return None
@@ -127,7 +138,7 @@ def _fix_offload_params(est: Estimate) -> tuple[str, dict[str, Any]] | None:
 
 # The reference guide's order after the micro-batch: checkpointing, mixed precision, freezing, ZeRO / offload.
 FIX_STEPS: tuple[_Step, ...] = (
-    _fix_checkpointing, _fix_precision, _fix_freeze_vision, _fix_zero(2), _fix_zero(3),
+    _fix_linear_cross_entropy, _fix_checkpointing, _fix_precision, _fix_freeze_vision, _fix_zero(2), _fix_zero(3),
     _fix_offload_optimizer, _fix_offload_params,
 )
 
@@ -170,6 +181,27 @@ def plan_fixes(est: E, gpu_gb: float) -> FixPlan[E]:
         if mbs < original:
             changes.insert(0, f"{SPEC_KEYS['micro_batch_size']}: {mbs} (was {original}; keep batch_size, gradient "
                               "accumulation keeps the effective batch)")
+    current, changes = _checkpoint_only_what_fits(current, changes, gpu_gb)
     current.gpu_memory_gb = gpu_gb  # the table of the plan's estimate judges against the GPU planned for
     return FixPlan(changes, current, current.fits(gpu_gb))
+
+
+def _checkpoint_only_what_fits(est: Estimate, changes: list[str],
+                               gpu_gb: float) -> tuple[Estimate, list[str]]:
+    """Checkpointing every block was needed and it fits with room to spare: a budget of the room left for
+    activations recomputes fewer blocks (activation_checkpointing.budget_gb), kept only if it still fits."""
+    o = est.options
+    text = f"{SPEC_KEYS['checkpointing']}: true"
+    if text not in changes or not est.fits(gpu_gb) or o.checkpoint_budget_gb or o.checkpoint_scope != "all":
+        return est, changes
+    room = est.usable_bytes(gpu_gb) - (est.gpu_bytes - est.activation_bytes)
+    budget_gb = math.floor(room / 2**30 * 10) / 10  # GiB, rounded down
+    if room <= est.activation_bytes or budget_gb <= 0:
+        return est, changes
+    candidate = est.reestimate(checkpoint_budget_gb=budget_gb)
+    if not candidate.fits(gpu_gb):
+        return est, changes
+    note = (f"{text} + {SPEC_KEYS['checkpoint_budget']}: {budget_gb:g} (only the blocks needed to fit are "
+            "checkpointed: less recomputation)")
+    return candidate, [note if change == text else change for change in changes]
 

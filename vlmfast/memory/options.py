@@ -49,6 +49,9 @@ class EstimateOptions:
     frozen: tuple[str, ...] = ()
     master_weights: bool = True  # mixed precision keeps fp32 master weights; False: the guide's all-16-bit count
     gpus_per_node: int | None = None  # host memory is per node; default min(world_size, 8)
+    linear_cross_entropy: bool = False  # chunked head + loss: no [tokens, vocab] logits kept
+    checkpoint_budget_gb: float | None = None  # activation_checkpointing.budget_gb: the planner's choice of blocks
+    micro_batch_tokens: int | None = None  # micro-batches by tokens: rows = tokens // seq_len (the longest sample)
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +66,10 @@ class EstimateOptions:
             (not self.offload_params or self.zero_stage == 3, "offload_params needs zero_stage 3"),
             (self.checkpoint_scope is None or self.checkpoint_scope in CHECKPOINT_SCOPES,
              f"activation_checkpointing must be a bool or one of {CHECKPOINT_SCOPES}"),
+            (self.checkpoint_budget_gb is None or self.checkpoint_budget_gb > 0,
+             f"checkpoint_budget_gb must be > 0, got {self.checkpoint_budget_gb}"),
+            (self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+             f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}"),
         ]
         for ok, message in checks:
             if not ok:

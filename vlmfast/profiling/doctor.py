@@ -59,6 +59,9 @@ class Evidence:
     bf16_supported: bool = True
     tokens_per_s: float | None = None  # real input tokens per second over the timed steps
     vision_frozen: bool | None = None  # the vision tower has no trainable parameter (None: no tower found)
+    vocab_size: int | None = None  # rows of the language head: the logits are tokens x vocab
+    tokens_per_micro_batch: float | None = None  # padded tokens a micro-batch holds now
+    length_spread: float | None = None  # longest / median sample length in a few batches
 
 
     @classmethod
@@ -148,7 +151,7 @@ def diagnose(evidence: Evidence) -> list[Finding]:
         raise ValueError("doctor: no timed steps to diagnose; run more steps than profile.warmup_steps with "
                          "profile.timing: true")
     rules = (_data_loading, _host_to_device, _communication, _attention, _precision, _host_syncs, _padding,
-             _vision_tower, _oom_risk, _memory_headroom, _compile)
+             _token_budget, _vision_tower, _oom_risk, _logits_memory, _memory_headroom, _compile)
     findings = [finding for rule in rules if (finding := rule(evidence)) is not None]
     return sorted(findings, key=lambda f: f.at_stake, reverse=True)
 
@@ -280,6 +283,42 @@ def _padding(ev: Evidence) -> Finding | None:
                    "pads each batch only to its own longest sample")
 
 
+LENGTH_SPREAD_MIN = 4.0  # longest / median sample length from which fixed-size micro-batches waste the device
+LOGITS_SHARE_MIN = 0.2  # share of peak memory the logits path takes from which chunked cross-entropy is proposed
+
+
+def _token_budget(ev: Evidence) -> Finding | None:
+    """Long-tailed lengths split into micro-batches of a fixed sample count: cut them by tokens instead."""
+    spec = ev.spec
+    padding, spread, tokens = ev.padding_fraction, ev.length_spread, ev.tokens_per_micro_batch
+    if (padding is None or spread is None or tokens is None or padding < PADDING_MIN or spread < LENGTH_SPREAD_MIN
+            or spec.micro_batch_tokens is not None or spec.packing.enabled):
+        return None
+    compute = ev.share("forward") + ev.share("backward")
+    return Finding("token_budget", "Long-tailed lengths in fixed-size micro-batches", 0.8 * padding * min(compute, 1),
+                   f"samples differ {spread:.0f}x in length and {padding:.0%} of tokens are padding; a micro-batch "
+                   f"holds {tokens:.0f} padded tokens", _first_valid(spec, [{"micro_batch_tokens": int(tokens)}]),
+                   "micro_batch_tokens keeps each micro-batch within the memory of today's (same peak), packs short "
+                   "samples many at a time and long ones few at a time, and trims each to its own longest sample")
+
+
+def _logits_memory(ev: Evidence) -> Finding | None:
+    """The [tokens, vocab] logits (and the fp32 log-softmax the loss keeps) dwarf what the hidden states need."""
+    if ev.vocab_size is None or ev.tokens_per_micro_batch is None or ev.spec.linear_cross_entropy.enabled:
+        return None
+    logits_gb = ev.tokens_per_micro_batch * ev.vocab_size * 4 * 2 / 2**30  # fp32 logits + their log-softmax
+    share = logits_gb / ev.peak_memory_gb if ev.peak_memory_gb else None
+    if (share is not None and share < LOGITS_SHARE_MIN) or (share is None and logits_gb < 0.5):
+        return None
+    where = f" (~{share:.0%} of the {ev.peak_memory_gb:.2f} GiB peak)" if share is not None else ""
+    return Finding("logits_memory", "The logits take much of the activation memory", 0.3 * min(share or 0.5, 1.0),
+                   f"{ev.tokens_per_micro_batch:.0f} tokens x {ev.vocab_size} vocabulary = ~{logits_gb:.2f} GiB of "
+                   f"fp32 logits and log-softmax per micro-batch{where}",
+                   _first_valid(ev.spec, [{"linear_cross_entropy.enabled": True}]),
+                   "chunked linear cross-entropy never materialises them (same loss and gradients); the room it "
+                   "frees fits a larger micro-batch or less checkpointing")
+
+
 def _vision_tower(ev: Evidence) -> Finding | None:
     share = ev.share("vision_forward")
     forward = ev.share("forward")
@@ -332,7 +371,13 @@ def _memory_headroom(ev: Evidence) -> Finding | None:
         return None
     spec = ev.spec
     candidates = []
-    if spec.activation_checkpointing.enabled:
+    ckpt = spec.activation_checkpointing
+    if ckpt.enabled and ckpt.budget_gb is None and ev.peak_memory_gb is not None and ev.device_memory_gb:
+        # Most of the free room as the activation budget: the plan keeps at least what checkpointing every block
+        # keeps (never more memory than now when the room is smaller) and recomputes less when it is larger.
+        room = 0.8 * (ev.device_memory_gb - ev.peak_memory_gb)
+        candidates.append({"activation_checkpointing.budget_gb": round(room, 2)})
+    if ckpt.enabled:
         candidates.append({"activation_checkpointing.enabled": False})
     mbs = spec.resolved_micro_batch_size
     if mbs < spec.batch_size:
@@ -414,6 +459,9 @@ def collect_evidence(trainer: Any, result: Any) -> Evidence:
     cuda = device.type == "cuda"
     profiler = getattr(trainer, "timer", None)  # the trainer's RunProfiler
     trace = getattr(profiler, "trace", None)
+    head = getattr(trainer.engine.module, "get_output_embeddings", lambda: None)()
+    weight = getattr(head, "weight", None)
+    tokens, spread = peek_lengths(trainer.loader, trainer.spec.resolved_micro_batch_size)
     return Evidence.from_history(
         history, trainer.spec, device=device.type, world_size=trainer.world_size,
         peak_memory_gb=result.report.peak_memory_gb,
@@ -421,7 +469,35 @@ def collect_evidence(trainer: Any, result: Any) -> Evidence:
         padding_fraction=peek_padding(trainer.loader), top_ops=list(getattr(trace, "top_ops", [])),
         bf16_supported=torch.cuda.is_bf16_supported() if cuda else True,
         vision_frozen=_vision_frozen(trainer.engine.module),
+        vocab_size=int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
+        tokens_per_micro_batch=tokens, length_spread=spread,
     )
+
+
+def peek_lengths(loader: Any, micro_batch_size: int, batches: int = 4) -> tuple[float | None, float | None]:
+    """(padded tokens per micro-batch, longest / median sample length) of the next few batches; position restored."""
+    if not hasattr(loader, "state_dict"):
+        return None, None
+    import statistics
+
+    state = loader.state_dict()
+    lengths: list[int] = []
+    widths: list[int] = []
+    try:
+        for _ in range(batches):
+            batch = next(loader)
+            mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+            if mask is None or mask.dim() != 2:
+                return None, None
+            lengths += [int(n) for n in mask.sum(-1).tolist()]
+            widths.append(mask.shape[1])
+    except StopIteration:
+        pass
+    finally:
+        loader.load_state_dict(state)
+    if not lengths:
+        return None, None
+    return micro_batch_size * statistics.mean(widths), max(lengths) / max(statistics.median(lengths), 1)
 
 
 def _vision_frozen(model: Any) -> bool | None:

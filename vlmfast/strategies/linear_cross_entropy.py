@@ -228,7 +228,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                 opts: _Options) -> Tensor:
         dtype = _compute_dtype(hidden.dtype)
-        keep = (targets != opts.ignore_index).nonzero().squeeze(1)  # one host read: the count of kept tokens
+        if targets.device.type == "meta":  # shapes only (memory estimates): every token counts
+            keep = torch.arange(targets.numel(), device=targets.device)
+        else:
+            keep = (targets != opts.ignore_index).nonzero().squeeze(1)  # one host read: the count of kept tokens
         kept_targets = targets[keep]
         lse = torch.empty(keep.numel(), dtype=dtype, device=hidden.device)
         total = torch.zeros((), dtype=dtype, device=hidden.device)
