@@ -395,7 +395,6 @@ _LOOP_MUST_EXPLAIN = ("lead's files (issue 15): the loop must wrap the optimizer
                       "explain_oom('evaluation', ...)")
 
 
-@pytest.mark.xfail(strict=True, raises=torch.OutOfMemoryError, reason=_LOOP_MUST_EXPLAIN)
 def test_fit_turns_an_optimizer_step_oom_into_the_explained_error():
     from vlmfast.memory.advice import OutOfMemoryOutsideStepError
 

@@ -46,7 +46,7 @@ def _check_backend(spec: TrainSpec) -> None:
     if spec.ddp.comm_hook != "none":
         raise ValueError(f"ddp.comm_hook is a DDP feature and does nothing with {name}: set ddp.comm_hook: none")
     if spec.engine == "deepspeed" and spec.loss.on_nonfinite == "skip" and spec.precision != "fp16":
-        raise ValueError("loss.on_nonfinite: skip needs precision fp16 with deepspeed.enabled (DeepSpeed's loss "
+        raise ValueError("loss.on_nonfinite: skip needs precision fp16 with engine: deepspeed (DeepSpeed's loss "
                          "scaler skips overflowing steps; other steps are reduced before vlmfast sees them): "
                          "use loss.on_nonfinite: stop")
 

@@ -34,7 +34,7 @@ def shard_model(model: nn.Module, spec: FSDPSpec, precision: str) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if precision == "fp16":
-        raise SpecError("fsdp.enabled with precision fp16 is not supported (it needs a sharded gradient scaler): "
+        raise SpecError("engine: fsdp with precision fp16 is not supported (it needs a sharded gradient scaler): "
                         "use precision: bf16")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()

@@ -80,9 +80,9 @@ def oom_outside_step_advice(phase: str, spec: TrainSpec, trainable_params: int |
     if not spec.optimizer.freeze:
         advice.append("optimizer.freeze: [vision_tower]  (a frozen tower has no gradients and no optimizer states)")
     deepspeed = spec.deepspeed
-    if not deepspeed.enabled and not spec.fsdp.enabled:
-        advice.append("deepspeed.enabled: true with zero_stage: 1 or 2 on N GPUs  (optimizer states split N ways: "
-                      "ZeRO-2 needs 2P + 18P/N bytes instead of 20P), or fsdp.enabled: true (parameters too)")
+    if spec.engine == "ddp":
+        advice.append("engine: deepspeed with deepspeed.zero_stage: 1 or 2 on N GPUs  (optimizer states split N ways: "
+                      "ZeRO-2 needs 2P + 18P/N bytes instead of 20P), or engine: fsdp (parameters too)")
     if deepspeed.offload_optimizer == "none":
         advice.append("deepspeed.offload_optimizer: cpu  (states and the step in host memory: fits on one GPU, the "
                       "step runs on the CPU)")
@@ -113,7 +113,7 @@ def explain_oom(phase: str, spec: TrainSpec, device: torch.device, trainable_par
         with explain_oom("optimizer step", spec, device, trainable_params=n, step=state.step + 1):
             precision.optimizer_step(optimizer)
     """
-    from vlmfast.strategies.oom import free_memory, is_oom_error
+    from vlmfast.memory.oom_errors import free_memory, is_oom_error
 
     failed = False
     try:

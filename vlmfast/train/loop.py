@@ -35,7 +35,7 @@ from vlmfast.engines import build_engine
 from vlmfast.engines.collectives import barrier, broadcast_object, gather_objects, sum_loss_and_flags
 from vlmfast.engines.ddp import ddp_errors_explained
 from vlmfast.engines.process_group import apply_nccl_presets, explain_rank_failure, init_distributed
-from vlmfast.memory.advice import memory_summary, oom_advice
+from vlmfast.memory.advice import explain_oom, memory_summary, oom_advice
 from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.profiling import RunProfiler
@@ -249,7 +249,8 @@ class OptimizedTrainer:
         step.read()
         self._stop_agreed = bool(step.values.get("stop", 0.0))
         if all([strategy.before_step(step) for strategy in self.strategies]):  # a list: every strategy sees it
-            result = self.engine.step()
+            with explain_oom("optimizer step", self.spec, self.device, self.optimization.trainable_params, step.number):
+                result = self.engine.step()  # the first AdamW step allocates its states: an OOM is explained
             step.applied = result.applied
             if result.grad_norm is not None:
                 step.values["grad_norm"] = float(result.grad_norm)
@@ -311,6 +312,10 @@ class OptimizedTrainer:
             raise ValueError("evaluate() needs eval_data (pass it to OptimizedTrainer or to evaluate)")
         loader = data if isinstance(data, DataLoader) else DataLoader(
             data, batch_size=self.spec.batch_size, shuffle=False, collate_fn=self.collate_fn)
+        with explain_oom("evaluation", self.spec, self.device, self.optimization.trainable_params):
+            return self._evaluate(loader)
+
+    def _evaluate(self, loader: Any) -> float:
         return evaluate_loss(self.model, loader, self.accumulation, forward_context=self.forward_context,
                              to_device=lambda b: self.engine.prepare_inputs(move_to_device(b, self.device)),
                              max_batches=self.spec.eval.max_batches,
