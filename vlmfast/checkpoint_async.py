@@ -145,19 +145,3 @@ class AsyncCheckpointer:
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.wait()
-
-
-def trainer_checkpointer(trainer: Any) -> AsyncCheckpointer:
-    """The trainer's AsyncCheckpointer (made, and registered as a callback, on first use)."""
-    checkpointer = getattr(trainer, "_async_checkpointer", None)
-    if checkpointer is None:
-        checkpointer = trainer._async_checkpointer = AsyncCheckpointer()
-        trainer.callbacks.insert(0, checkpointer)  # before others' on_fit_end: the last save is on disk for them
-    return checkpointer
-
-
-def finish_saves(trainer: Any) -> None:
-    """Wait for the trainer's save in flight, if any (raising its error)."""
-    checkpointer = getattr(trainer, "_async_checkpointer", None)
-    if checkpointer is not None:
-        checkpointer.wait()

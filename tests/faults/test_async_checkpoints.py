@@ -84,12 +84,12 @@ def test_async_training_saves_the_same_checkpoints_and_resumes_exactly(tmp_path)
     train(make_spec(max_steps=6, save={"dir": str(tmp_path / "sync"), "every_steps": 2}))
     async_trainer, result = train(make_spec(max_steps=6, save={"dir": str(tmp_path / "async"), "every_steps": 2,
                                                                "async": True}))
-    assert result.checkpoint.name == "step_00000006" and not async_trainer._async_checkpointer.in_flight
+    assert result.checkpoint.name == "step_00000006" and not async_trainer.checkpointer.in_flight
     for step in ("step_00000004", "step_00000006"):
         verify_checkpoint(tmp_path / "async" / step)
         synced, asynced = (load_checkpoint(tmp_path / kind / step) for kind in ("sync", "async"))
-        for name, value in synced["model"].items():
-            assert torch.equal(value, asynced["model"][name]), (step, name)
+        for name, value in synced["engine"]["model"].items():
+            assert torch.equal(value, asynced["engine"]["model"][name]), (step, name)
         assert synced["trainer"] == asynced["trainer"]
     _, resumed = train(make_spec(max_steps=8, save={"dir": str(tmp_path / "async"), "resume":
                                                     str(tmp_path / "async" / "step_00000004"), "async": True}))
@@ -100,6 +100,6 @@ def test_the_end_of_the_run_waits_for_the_last_save(tmp_path, monkeypatch):
     slow = SlowSave(0.3)
     monkeypatch.setattr(torch, "save", slow)
     trainer, result = train(make_spec(max_steps=4, save={"dir": str(tmp_path), "every_steps": 1, "async": True}))
-    assert not trainer._async_checkpointer.in_flight
+    assert not trainer.checkpointer.in_flight
     verify_checkpoint(result.checkpoint)
     assert result.checkpoint.name == "step_00000004" and len(slow.spans) == 4  # steps 1-3 and the final one

@@ -41,9 +41,9 @@ def _tensor_record(state_file, key: str) -> tuple[int, int]:
 
     state = torch.load(state_file, weights_only=True)
     if key == "model":
-        tensor = next(iter(state["model"].values()))
+        tensor = next(iter(state["engine"]["model"].values()))
     else:
-        tensor = next(iter(state["strategies"]["optimizer"]["optimizer"]["state"].values()))["exp_avg"]
+        tensor = next(iter(state["engine"]["optimizer"]["state"].values()))["exp_avg"]
     raw = tensor.detach().contiguous().numpy().tobytes()
     with zipfile.ZipFile(state_file) as archive:
         for info in archive.infolist():
@@ -170,7 +170,7 @@ def test_resumed_parameters_equal_the_checkpoints(three_checkpoints, tmp_path):
     run, _ = three_checkpoints
     shutil.copytree(run, tmp_path / "run")
     _flip(tmp_path / "run" / "step_00000006" / "state.pt", 0.3)
-    saved = load_checkpoint(tmp_path / "run" / "step_00000004")["model"]
+    saved = load_checkpoint(tmp_path / "run" / "step_00000004")["engine"]["model"]
     trainer, _ = train(make_spec(max_steps=4, save={"dir": str(tmp_path / "run"), "resume": "auto"}))
     for name, value in params_of(trainer.model).items():
         assert torch.equal(value, saved[name]), name
