@@ -54,7 +54,10 @@ class SampleCheck:
         return cls(vocab, label_key, ignore_index, out_vocab, special_token_ids(model))
 
     def problem(self, batch: Any) -> str | None:
-        """Why `batch` (a collated batch or one sample) cannot be trained on, or None."""
+        """Why `batch` (a collated batch, its micro-batches, or one sample) cannot be trained on, or None."""
+        parts = getattr(batch, "micro_batches", None)  # a SampleBatch: collated per micro-batch in the workers
+        if parts is not None:
+            return next((why for part in parts if (why := self.problem(part)) is not None), None)
         if not isinstance(batch, Mapping):
             return None
         for key in TOKEN_KEYS:
