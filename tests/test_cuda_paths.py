@@ -183,18 +183,18 @@ def test_documents_from_position_ids_are_built_once_per_forward(monkeypatch):
 
 
 def test_flex_and_its_block_masks_are_compiled_for_changing_shapes(monkeypatch):
-    from vlmfast.attention import backends
+    from vlmfast.attention import backends, documents
 
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append((fn.__name__, kw)) or fn)
     backends._compiled_flex.cache_clear()
-    backends._compiled_create_block_mask.cache_clear()
+    documents._compiled_create_block_mask.cache_clear()
     try:
         backends._compiled_flex()
-        backends._compiled_create_block_mask()
+        documents._compiled_create_block_mask()
     finally:
         backends._compiled_flex.cache_clear()
-        backends._compiled_create_block_mask.cache_clear()
+        documents._compiled_create_block_mask.cache_clear()
     # dynamic=False compiled one graph per sequence length until dynamo's recompile limit sent flex to eager
     assert compiled == [("flex_attention", {"dynamic": None}), ("create_block_mask", {"dynamic": None})]
 
