@@ -79,7 +79,9 @@ def _loop_worker(kind: str) -> dict:
     # 1. exact accumulation: 3 micro-batches, only the last one's backward all-reduces
     ddp = find_ddp(model)
     flags: list[bool] = []
-    hook = ddp.module.register_forward_pre_hook(lambda *_: flags.append(ddp.require_backward_grad_sync))
+    # Training forwards only: the label-convention probe runs the model once under no_grad first.
+    hook = ddp.module.register_forward_pre_hook(
+        lambda *_: flags.append(ddp.require_backward_grad_sync) if torch.is_grad_enabled() else None)
     out["loss"] = float(accumulate_gradients(model, local, 3, loop=loop))
     hook.remove()
     out["sync_flags"], out["grads"] = flags, _grads(model)
