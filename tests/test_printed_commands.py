@@ -21,6 +21,7 @@ import os
 import re
 import runpy
 import shlex
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -315,6 +316,12 @@ def test_printed_command_runs(command: Printed, in_workdir: Path, monkeypatch: p
     assert _run_in_process(command, monkeypatch) in allowed, command.id
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _launch_words(command: Printed) -> tuple[dict[str, str], list[str]]:
     """The launched command with 2 processes and the step budget; `python` is this interpreter."""
     env, words = _env_and_words(command)
@@ -330,6 +337,11 @@ def _launch_words(command: Printed) -> tuple[dict[str, str], list[str]]:
             rest[rest.index(flag) + 1] = "2"
     if words[0] == "bash":
         env.update(PYTHON=sys.executable, NPROC_PER_NODE="2")
+    # Launched side by side: each gets its own rendezvous port (the launchers all default to 29500).
+    port = str(_free_port())
+    env.update(MASTER_PORT=port, PET_MASTER_PORT=port)  # bash script and Fabric read the first, torchrun the second
+    if words[0] == "accelerate":
+        rest = ["--main_process_port", port, *rest]
     if "vlmfast.cli" in rest:  # -m vlmfast.cli ARGS
         at = rest.index("vlmfast.cli") + 1
         rest = rest[:at] + vlmfast_budget(rest[at:])

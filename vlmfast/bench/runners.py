@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from vlmfast.bench.workload import Workload, evaluate_loss
 from vlmfast.data.batch import move_to_device
+from vlmfast.data.micro_batches import SampleBatch
 from vlmfast.memory.stats import GB
 from vlmfast.strategies.precision import autocast_context
 from vlmfast.tf32 import restore_tf32_state, set_tf32, tf32_state
@@ -91,8 +92,12 @@ class StepRecorder:
         self.stamps = [time.perf_counter()]
         self.stats, self.losses = [], []
 
-    def batch(self, batch: Mapping[str, Any]) -> None:
-        self.stats.append(self.workload.batch_stats(batch))
+    def batch(self, batch: Mapping[str, Any] | SampleBatch) -> None:
+        if isinstance(batch, SampleBatch):  # vlmfast's loader: the batch's collated micro-batches, summed
+            parts = [self.workload.batch_stats(mb) for mb in batch.micro_batches]
+            self.stats.append({key: sum(p[key] for p in parts) for key in parts[0]})
+        else:
+            self.stats.append(self.workload.batch_stats(batch))
 
     def step(self, loss: Any = None) -> None:
         if self.device.type == "cuda":

@@ -238,14 +238,16 @@ class LanguageModel(nn.Module):
         self.lm_head = nn.Linear(c.text_dim, c.vocab_size, bias=False)
 
     def forward(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None,
-                document_lengths: list[list[int]] | None = None) -> Tensor:
-        """Logits [B, T - logits_from, vocab] for positions ``logits_from`` onwards.
+                document_lengths: list[list[int]] | None = None, apply_head: bool = True) -> Tensor:
+        """Logits [B, T - logits_from, vocab] for positions ``logits_from`` onwards (the normed hidden states
+        without ``apply_head``: a chunked loss applies the head itself).
 
         ``position_ids`` [B, T] that restart at 0 mark packed documents: attention stays inside each.
         ``document_lengths`` (per row, on the host, from vlmfast's packing collator) describes the same documents
         without any read from the device.
         """
-        return self.lm_head(self.hidden_states(inputs_embeds, logits_from, position_ids, document_lengths))
+        hidden = self.hidden_states(inputs_embeds, logits_from, position_ids, document_lengths)
+        return self.lm_head(hidden) if apply_head else hidden
 
     def hidden_states(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None,
                       document_lengths: list[list[int]] | None = None) -> Tensor:
@@ -331,8 +333,9 @@ class TinyVLM(nn.Module):
         ``document_lengths`` (per row, host ints; vlmfast's packing collator adds it) lets the packed path run
         without reading anything back from the device.
         """
-        logits = self.language_model.lm_head(self.hidden_states_for_loss(
-            pixel_values, input_ids, attention_mask, position_ids, images_per_row, document_lengths))
+        # Through the language model's own call (not its parts), so hooks on it (phase timer, FLOPs by tower) fire.
+        logits = self._language_model(pixel_values, input_ids, position_ids, images_per_row, document_lengths,
+                                      apply_head=True)
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return VLMOutput(loss=loss, logits=logits)
 
@@ -346,15 +349,22 @@ class TinyVLM(nn.Module):
         """The hidden states the head turns into the logits ``forward`` returns (text positions; every position of
         packed rows), so a loss can apply the head itself (``vlmfast.hooks.linear_cross_entropy``)."""
         del attention_mask  # see forward's docstring
+        return self._language_model(pixel_values, input_ids, position_ids, images_per_row, document_lengths,
+                                    apply_head=False)
+
+    def _language_model(self, pixel_values: Tensor, input_ids: Tensor, position_ids: Tensor | None,
+                        images_per_row: Tensor | None, document_lengths: list[list[int]] | None,
+                        apply_head: bool) -> Tensor:
         if position_ids is not None:
-            return self._packed_hidden_states(pixel_values, input_ids, position_ids, images_per_row, document_lengths)
+            inputs_embeds = self._packed_inputs_embeds(pixel_values, input_ids, images_per_row, document_lengths)
+            return self.language_model(inputs_embeds, position_ids=position_ids, document_lengths=document_lengths,
+                                       apply_head=apply_head)
         image_embeds = self.get_image_features(pixel_values)
         text_embeds = self.language_model.embed_tokens(input_ids)
         inputs_embeds = torch.cat([image_embeds.to(text_embeds.dtype), text_embeds], dim=1)
-        return self.language_model.hidden_states(inputs_embeds, logits_from=image_embeds.shape[1])
+        return self.language_model(inputs_embeds, logits_from=image_embeds.shape[1], apply_head=apply_head)
 
-    def _packed_hidden_states(self, pixel_values: Tensor, input_ids: Tensor, position_ids: Tensor,
-                              images_per_row: Tensor | None,
+    def _packed_inputs_embeds(self, pixel_values: Tensor, input_ids: Tensor, images_per_row: Tensor | None,
                               document_lengths: list[list[int]] | None = None) -> Tensor:
         """Each sample's image features go to its placeholders, in row order (as LLaVA's masked_scatter)."""
         pixel_values = self._packed_images(pixel_values, images_per_row, document_lengths)
@@ -366,9 +376,7 @@ class TinyVLM(nn.Module):
                             f"packed batch: image placeholders != {image_embeds.shape[0]} images of "
                             f"{image_embeds.shape[1]} tokens: pack with image_tokens={image_embeds.shape[1]}")
         text_embeds = self.language_model.embed_tokens(input_ids.clamp(min=0))
-        inputs_embeds = text_embeds.masked_scatter(is_image.unsqueeze(-1), image_embeds.to(text_embeds.dtype))
-        return self.language_model.hidden_states(inputs_embeds, position_ids=position_ids,
-                                                 document_lengths=document_lengths)
+        return text_embeds.masked_scatter(is_image.unsqueeze(-1), image_embeds.to(text_embeds.dtype))
 
     @staticmethod
     def _packed_images(pixel_values: Tensor, images_per_row: Tensor | None,
