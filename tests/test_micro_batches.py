@@ -75,6 +75,25 @@ def test_adjacent_images_of_variable_size_are_refused_not_guessed():
         split_collated({**batch, "input_ids": ids}, 3, BatchLayout.from_model(case.model))
 
 
+def test_without_a_collate_fn_micro_batches_are_slices_of_the_stacked_batch():
+    """torch's default_collate only stacks: the loader collates the whole batch once (every sample checked against
+    all the others) and any micro-batch size is a slice of it; the samples are not shipped at all."""
+    data = [{"x": torch.full((2,), float(i))} for i in range(16)]
+    batch = next(ResumableLoader(data, 8, DataSpec(shuffle=False), seed=0, micro_batch_size=4))
+    assert batch.whole is not None and len(batch) == 8
+    assert [mb["x"][:, 0].tolist() for mb in split_micro_batches(batch, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert split_micro_batches(batch, 3)[0]["x"].data_ptr() == batch.whole["x"].data_ptr()  # views, no copy
+
+
+def test_samples_cross_the_worker_queue_as_one_blob_and_unpack_on_demand():
+    import pickle
+
+    batch = SampleBatch([{"x": torch.ones(2)}, {"x": torch.zeros(2)}], [], 2, default_collate)
+    copy = pickle.loads(pickle.dumps(batch))
+    assert copy._samples is None and len(copy) == 2  # not unpacked yet
+    assert [s["x"].tolist() for s in copy.samples] == [[1, 1], [0, 0]]
+
+
 def test_generic_batches_and_scalars_still_split():
     x, y = torch.randn(8, 3), torch.randn(8)
     assert [len(p[0]) for p in split_batch((x, y), 3)] == [3, 3, 2]
@@ -111,7 +130,7 @@ def test_sample_batch_is_collated_in_the_loader_and_again_only_when_the_size_cha
 def test_a_changed_size_reaches_the_loader_workers():
     data = [{"x": torch.tensor([float(i)])} for i in range(32)]
     spec = DataSpec(shuffle=False, num_workers=1, prefetch_factor=1)
-    loader = ResumableLoader(data, 8, spec, seed=0, micro_batch_size=8)
+    loader = ResumableLoader(data, 8, spec, seed=0, collate_fn=default_collate, micro_batch_size=8)
     batch = next(loader)
     split_micro_batches(batch, 2)
     sizes = [len(next(loader).micro_batches) for _ in range(3)]

@@ -22,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,15 +47,21 @@ class SampleBatch:
 
     Built in the loader workers by :class:`SampleCollate`; the loader attaches the collate function (not pickled
     with every batch) and a callback for a changed size. ``to`` / ``map`` act on the collated micro-batches and are
-    remembered, so micro-batches collated again later get the same device copy and transforms.
+    remembered, so micro-batches collated again later get the same device copy and transforms. With ``whole`` (the
+    batch collated at once by torch's default_collate, which only stacks) micro-batches of any size are slices of it.
 
+    The samples cross the worker queue as one bytes object and are unpacked only if a micro-batch is collated again
+    (after the OOM fallback): shared-memory tensors cost a round trip each, and samples are rarely needed.
     Usage: ``batch.micro_batches_at(3)`` -> a list of collated micro-batches of 3 samples (the last may be smaller).
     """
 
-    def __init__(self, samples: list[Any], micro_batches: list[Any], micro_batch_size: int,
-                 collate_fn: Collate | None = None) -> None:
-        self.samples = samples
-        self.micro_batches = micro_batches
+    def __init__(self, samples: Sequence[Any] | None, micro_batches: list[Any], micro_batch_size: int,
+                 collate_fn: Collate | None = None, *, whole: Any = None, length: int | None = None) -> None:
+        self._samples = list(samples) if samples is not None else None
+        self._blob: bytes | None = None
+        self._length = len(self._samples) if self._samples is not None else int(length or 0)
+        self.whole = whole
+        self.micro_batches = [whole] if whole is not None else micro_batches  # the collated tensors
         self.micro_batch_size = micro_batch_size
         self.collate_fn = collate_fn
         self.on_resize: Callable[[int], None] | None = None  # the loader's: collate later batches at the new size
@@ -68,27 +75,44 @@ class SampleBatch:
         """
         return cls(list(samples), [], len(samples), collate_fn)
 
+    @property
+    def samples(self) -> list[Any]:
+        """The samples, as the dataset gave them (unpacked on first use)."""
+        if self._samples is None:
+            self._samples = torch.load(io.BytesIO(self._blob or b""), weights_only=False) if self._blob else []
+            self._blob = None
+        return self._samples
+
     def __len__(self) -> int:
-        return len(self.samples)
+        return self._length
 
     def __repr__(self) -> str:
-        return (f"SampleBatch({len(self.samples)} samples, {len(self.micro_batches)} micro-batch(es) of "
+        return (f"SampleBatch({self._length} samples, {len(self.micro_batches)} micro-batch(es) of "
                 f"{self.micro_batch_size})")
 
     def __getstate__(self) -> dict[str, Any]:
         # Crosses the worker queue once per batch: the collate function and callbacks stay on the loader's side.
-        return {"samples": self.samples, "micro_batches": self.micro_batches,
-                "micro_batch_size": self.micro_batch_size}
+        blob = self._blob
+        if blob is None and self._samples is not None:
+            buffer = io.BytesIO()
+            torch.save(self._samples, buffer)
+            blob = buffer.getvalue()
+        return {"blob": blob, "micro_batches": None if self.whole is not None else self.micro_batches,
+                "whole": self.whole, "micro_batch_size": self.micro_batch_size, "length": self._length}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["samples"], state["micro_batches"], state["micro_batch_size"])  # type: ignore[misc]
+        self.__init__(None, state["micro_batches"], state["micro_batch_size"],  # type: ignore[misc]
+                      whole=state["whole"], length=state["length"])
+        self._blob = state["blob"]
 
     def micro_batches_at(self, micro_batch_size: int) -> list[Any]:
         """The micro-batches at this size: the collated ones when the size matches, else collated again now."""
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
-        size = min(micro_batch_size, len(self.samples))
-        if size == min(self.micro_batch_size, len(self.samples)) and self.micro_batches:
+        if self.whole is not None:  # stacked: a slice is exactly what collating those samples would give
+            return split_collated(self.whole, micro_batch_size)
+        size = min(micro_batch_size, self._length)
+        if size == min(self.micro_batch_size, self._length) and self.micro_batches:
             return list(self.micro_batches)
         collate = self.collate_fn or default_collate
         fresh = []
@@ -102,9 +126,17 @@ class SampleBatch:
             self.on_resize(micro_batch_size)
         return list(fresh)
 
+    def first(self, samples: int) -> Any:
+        """The first ``samples`` samples collated as one micro-batch, leaving this batch as it is (probes)."""
+        if self.whole is not None:
+            return split_collated(self.whole, samples)[0]
+        return (self.collate_fn or default_collate)(self.samples[:samples])
+
     def map(self, fn: Callable[[Any], Any]) -> SampleBatch:
         """Apply ``fn`` to every collated micro-batch (now, and to those collated again later)."""
         self.micro_batches = [fn(mb) for mb in self.micro_batches]
+        if self.whole is not None:
+            self.whole = self.micro_batches[0]
         self._steps.append(fn)
         return self
 
@@ -117,6 +149,8 @@ class SampleBatch:
         from torch.utils.data._utils.pin_memory import pin_memory
 
         self.micro_batches = [pin_memory(mb) for mb in self.micro_batches]
+        if self.whole is not None:
+            self.whole = self.micro_batches[0]
         return self
 
 
@@ -135,12 +169,11 @@ class SampleCollate:
     def __call__(self, samples: list[Any]) -> SampleBatch:
         micro_batch_size = int(self.size[0])
         if self.collate_fn is None:
-            # torch's default_collate stacks: slicing the whole batch gives exactly the micro-batches it would
+            # torch's default_collate stacks: slices of the whole batch are exactly the micro-batches it would
             # collate, and collating the whole batch keeps every sample checked against all the others (a sample
             # with a missing key or another shape is found and skipped, as before micro-batches of samples).
-            micro_batches = split_collated(default_collate(samples), micro_batch_size)
-        else:
-            micro_batches = [self.collate_fn(chunk) for chunk in _chunks(samples, micro_batch_size)]
+            return SampleBatch(None, [], micro_batch_size, whole=default_collate(samples), length=len(samples))
+        micro_batches = [self.collate_fn(chunk) for chunk in _chunks(samples, micro_batch_size)]
         return SampleBatch(samples, micro_batches, micro_batch_size)
 
 

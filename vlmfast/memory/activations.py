@@ -306,7 +306,7 @@ class BatchProbe:
 
         samples = min(samples, self.samples)
         if isinstance(self.batch, SampleBatch):  # collated here: the batch's own micro-batches stay as they are
-            return (self.batch.collate_fn or torch.utils.data.default_collate)(self.batch.samples[:samples])
+            return self.batch.first(samples)
         return split_collated(self.batch, samples, self.layout)[0]
 
     def __call__(self, micro_batch_size: int) -> Any:

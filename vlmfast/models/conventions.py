@@ -107,13 +107,11 @@ def probe_label_conventions(
 
 def _first_sample(batch: Any, label_key: str, model: nn.Module) -> dict[str, Any]:
     """One sample of ``batch``, collated alone (or the whole batch when it cannot be split by sample)."""
-    from torch.utils.data import default_collate
-
     from vlmfast.data.batch_layout import BatchLayout, BatchSplitError, split_collated
     from vlmfast.data.micro_batches import SampleBatch
 
     if isinstance(batch, SampleBatch):  # collated here, leaving the batch's own micro-batches untouched
-        batch = (batch.collate_fn or default_collate)(batch.samples[:1])
+        batch = batch.first(1)
     if not isinstance(batch, Mapping):
         raise LabelConventionError(f"the label probe needs a dict batch with '{label_key}', got a "
                                    f"{type(batch).__name__}: set loss.shift_labels (yes or no) in the spec")
