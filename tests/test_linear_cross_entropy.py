@@ -49,6 +49,22 @@ def test_function_equals_the_standard_loss(softcap, scale, smoothing, z_loss, bi
         assert _relative(a, b_) < 1e-10
 
 
+def test_under_autocast_the_head_runs_in_bf16_like_the_model() -> None:
+    """The head's matmul in autocast's dtype, the loss in fp32: the standard bf16 path's loss, to fp32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 32, generator=g, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(500, 32, generator=g))
+    targets = torch.randint(0, 500, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_cross_entropy(hidden, weight, targets, chunk_tokens=16)
+        standard = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+    assert ours.dtype == torch.float32
+    assert abs(float(ours.detach() - standard.detach())) <= 1e-5 * abs(float(standard.detach()))
+    ours_grad = torch.autograd.grad(ours, [hidden, weight])
+    standard_grad = torch.autograd.grad(standard, [hidden, weight])
+    assert all(_relative(a, b) < 2e-2 for a, b in zip(ours_grad, standard_grad, strict=True))  # bf16 rounding
+
+
 def _build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

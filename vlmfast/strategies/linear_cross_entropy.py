@@ -110,6 +110,15 @@ class _Options:
     transform: HeadTransform
     label_smoothing: float
     z_loss: float
+    matmul_dtype: torch.dtype  # the head's matmuls: autocast's dtype when on, else the weight's
+
+
+def _matmul_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype the model's head would run its matmul in: autocast's 16-bit dtype when on, else the weight's."""
+    device = weight.device.type
+    if device in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
 
 
 def shift_targets(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -163,8 +172,10 @@ def linear_cross_entropy(
     chosen = resolve_impl(impl, hidden.device)
     if chosen == "torch":
         chunk = chunk_tokens or auto_chunk_tokens(weight.shape[0])
-        options = _Options(ignore_index, chunk, HeadTransform(logit_scale, softcap), label_smoothing, z_loss)
-        total = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, options)
+        options = _Options(ignore_index, chunk, HeadTransform(logit_scale, softcap), label_smoothing, z_loss,
+                           _matmul_dtype(weight))
+        with torch.autocast(hidden.device.type, enabled=False):  # the function casts itself (options.matmul_dtype)
+            total = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, options)
     else:
         total = _fused_kernel(chosen, flat_hidden, weight, bias, flat_targets, ignore_index, softcap, logit_scale,
                               label_smoothing, z_loss)
@@ -185,21 +196,25 @@ class _ChunkLogits:
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, transform: HeadTransform, dtype: torch.dtype,
-                 rows: int) -> None:
-        self.weight, self.bias, self.transform, self.dtype = weight, bias, transform, dtype
+                 rows: int, matmul_dtype: torch.dtype | None = None) -> None:
+        self.transform, self.dtype = transform, dtype
+        self.matmul_dtype = matmul_dtype or weight.dtype
+        # Cast once per pass (autocast keeps one 16-bit copy of the weight per forward the same way).
+        self.weight = weight.to(self.matmul_dtype)
+        self.bias = None if bias is None else bias.to(self.matmul_dtype)
         self.buffer = torch.empty(rows, weight.shape[0], dtype=dtype, device=weight.device)
 
     def raw(self, hidden: Tensor) -> Tensor:
         """``hidden @ W.T (+ b)``, times the model's logit scale, in the compute dtype: the matmul in the head's
-        dtype as the model's head runs it, then upcast as Hugging Face's loss upcasts."""
+        dtype (or autocast's) as the model's head runs it, then upcast as Hugging Face's loss upcasts."""
         out = self.buffer[: hidden.shape[0]]
-        if hidden.dtype == self.dtype and self.weight.dtype == self.dtype:
+        if hidden.dtype == self.dtype and self.matmul_dtype == self.dtype:
             if self.bias is None:
                 torch.mm(hidden, self.weight.t(), out=out)
             else:
-                torch.addmm(self.bias.to(self.dtype), hidden, self.weight.t(), out=out)
+                torch.addmm(self.bias, hidden, self.weight.t(), out=out)
         else:
-            out.copy_(F.linear(hidden, self.weight, self.bias))
+            out.copy_(F.linear(hidden.to(self.matmul_dtype), self.weight, self.bias))
         if self.transform.scale != 1.0:
             out.mul_(self.transform.scale)
         return out
@@ -235,7 +250,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         kept_targets = targets[keep]
         lse = torch.empty(keep.numel(), dtype=dtype, device=hidden.device)
         total = torch.zeros((), dtype=dtype, device=hidden.device)
-        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)))
+        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)),
+                              opts.matmul_dtype)
         eps = opts.label_smoothing
         for start in range(0, keep.numel(), opts.chunk_tokens):
             rows = keep[start:start + opts.chunk_tokens]
@@ -266,7 +282,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # fp32 accumulation over chunks (the standard path reduces over all tokens in one fp32-accumulating matmul)
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_bias else None
-        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)))
+        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)),
+                              opts.matmul_dtype)
+        low = chunks.matmul_dtype != dtype  # 16-bit matmuls (autocast or 16-bit weights), fp32 accumulation
         eps = opts.label_smoothing
         for start in range(0, keep.numel(), opts.chunk_tokens):
             rows = keep[start:start + opts.chunk_tokens]
@@ -286,10 +304,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad.mul_(tanh.square_().neg_().add_(1))
             if opts.transform.scale != 1.0:
                 grad.mul_(opts.transform.scale)
-            if grad_hidden is not None:  # in the head's dtype, as the standard backward runs it
-                grad_hidden[rows] = grad.to(weight.dtype) @ weight
-            if grad_weight is not None:  # in fp32 (fp64): no rounding between chunks
-                grad_weight.addmm_(grad.t(), chunk_hidden.to(dtype))
+            if grad_hidden is not None:  # in the head's matmul dtype, as the standard backward runs it
+                grad_hidden[rows] = (grad.to(chunks.matmul_dtype) @ chunks.weight).to(hidden.dtype)
+            if grad_weight is not None and low:  # accumulated in fp32: no rounding between chunks
+                grad_weight += (grad.t().to(chunks.matmul_dtype) @ chunk_hidden.to(chunks.matmul_dtype)).to(dtype)
+            elif grad_weight is not None:
+                grad_weight.addmm_(grad.t(), chunk_hidden)
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
             del logits, grad
