@@ -150,3 +150,16 @@ def test_oom_fallback_halves_the_token_budget_and_keeps_the_gradient() -> None:
     model.zero_grad()
     sizer.run(lambda size: accumulate_gradients(model, batch, size), cleanup=lambda: model.zero_grad())
     assert sizer.events[-1]["reason"] == "1 clean steps"  # grows back toward the configured budget
+
+
+def test_build_sizer_charges_images_by_the_models_layout() -> None:
+    torch.manual_seed(0)
+    tiny = TinyVLM(TinyVLMConfig(text_dim=32, vision_dim=16))
+    sizer = build_sizer(TrainSpec(batch_size=8, micro_batch_tokens=100), tiny)
+    assert isinstance(sizer, TokenBudgetSizer) and sizer.budget.image_tokens == 18  # 9 patches + 9 prepended
+    packed = build_sizer(TrainSpec(batch_size=8, micro_batch_tokens=512, packing={"enabled": True,
+                                                                                 "max_tokens": 256}), tiny)
+    assert packed.budget.image_tokens == 9  # packed rows hold the placeholders already
+    assert type(build_sizer(TrainSpec(batch_size=8), tiny)).__name__ == "FixedMicroBatchSize"
+    with pytest.raises(ValueError, match=r"packing\.max_tokens"):
+        TrainSpec(batch_size=8, micro_batch_tokens=100, packing={"enabled": True, "max_tokens": 256})
