@@ -42,7 +42,8 @@ def _activation_checkpointing(spec: Any, ctx: BuildContext) -> Strategy | None:
     if not spec.activation_checkpointing.enabled:
         return None
     return ActivationCheckpointing(spec.activation_checkpointing, micro_batch_size=spec.resolved_micro_batch_size,
-                                   micro_batch_tokens=spec.micro_batch_tokens, precision=spec.precision)
+                                   micro_batch_tokens=spec.micro_batch_tokens, precision=spec.precision,
+                                   chunked_loss=spec.linear_cross_entropy.enabled)
 
 
 def _linear_cross_entropy(spec: Any, ctx: BuildContext) -> Strategy | None:
