@@ -18,7 +18,11 @@ warm-up step, then ``--steps`` timed training steps (forward, backward, SGD step
   states, which both paths keep, included), measured with ``saved_tensor_bytes``;
 - ``step_peak_rss_mb``: the process's peak RSS minus its RSS before the first step (the weights, their gradients
   and the batch exist in both), i.e. what the steps added at their peak;
-- ``step_time_s``: median of the timed steps over all rounds; ``time_ratio`` = chunked / standard.
+- ``step_time_s``: median of the timed steps over all rounds; ``time_ratio`` = variant / standard.
+
+Variants: ``standard`` (the model's own head and loss), ``chunked`` (the default: logits recomputed in backward,
+nothing of vocabulary size kept) and ``chunked_in_forward`` (``recompute: false``: gradients computed in forward,
+the head weight's gradient kept until backward; three head matmuls like the standard path instead of four).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, write_result
 
+# standard: the model's own head + loss; chunked: recompute in backward (the default); chunked_in_forward: the
+# gradients computed in forward and kept (recompute: false, Liger's way).
+VARIANTS = ("standard", "chunked", "chunked_in_forward")
+
 
 def _model(layers: int, vocab: int, hidden: int) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -49,21 +57,22 @@ def _model(layers: int, vocab: int, hidden: int) -> torch.nn.Module:
     return Qwen2ForCausalLM(config)
 
 
-def _loss_path_bytes(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunked: bool) -> int:
+def _loss_path_bytes(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, variant: str) -> int:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
     from vlmfast.hooks import linear_cross_entropy, saved_tensor_bytes, shift_targets
 
     head = model.get_output_embeddings()
     leaf = hidden.detach().requires_grad_()
 
     def standard() -> torch.Tensor:
-        from transformers.loss.loss_utils import ForCausalLMLoss as hf_loss
+        return ForCausalLMLoss(head(leaf * 1.0), labels, vocab_size=head.weight.shape[0])
 
-        return hf_loss(head(leaf * 1.0), labels, vocab_size=head.weight.shape[0])
+    def chunked() -> torch.Tensor:
+        return linear_cross_entropy(leaf * 1.0, head.weight, shift_targets(labels), reduction="mean",
+                                    recompute=variant == "chunked")
 
-    def ours() -> torch.Tensor:
-        return linear_cross_entropy(leaf * 1.0, head.weight, shift_targets(labels), reduction="mean")
-
-    return saved_tensor_bytes(ours if chunked else standard)
+    return saved_tensor_bytes(standard if variant == "standard" else chunked)
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,8 +81,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     model = _model(args.layers, args.vocab, args.hidden)
-    if args.variant == "chunked":
-        apply_linear_cross_entropy(model, chunk_tokens=args.chunk_tokens)
+    if args.variant != "standard":
+        apply_linear_cross_entropy(model, chunk_tokens=args.chunk_tokens, recompute=args.variant == "chunked")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=g)
     labels = ids.clone()
@@ -93,7 +102,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with torch.no_grad():  # after the peak was read: this measurement allocates the logits once more
         hidden = model.model(input_ids=ids).last_hidden_state
-    saved = _loss_path_bytes(model, hidden, labels, args.variant == "chunked")
+    saved = _loss_path_bytes(model, hidden, labels, args.variant)
     return {"variant": args.variant, "step_times_s": times, "loss": float(loss), "loss_path_saved_bytes": saved,
             "rss_before_mb": rss_before / 2**20, "step_peak_rss_mb": (peak - rss_before) / 2**20}
 
@@ -111,16 +120,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--variant", choices=("standard", "chunked"), help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:  # a child process
         print(json.dumps(run_one(args)))
         return
-    runs: dict[str, list[dict[str, Any]]] = {"standard": [], "chunked": []}
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in VARIANTS}
     forwarded = [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()
                  if key not in ("out", "variant", "rounds") and value is not None]
     for round_ in range(args.rounds):
-        for variant in ("standard", "chunked"):
+        for variant in VARIANTS:
             child = subprocess.run([sys.executable, __file__, *forwarded, "--variant", variant],
                                    capture_output=True, text=True)
             if child.returncode:
@@ -136,10 +145,12 @@ def main() -> None:
             "step_peak_rss_mb": median([r["step_peak_rss_mb"] for r in results]),
             "loss": results[0]["loss"],
         }
-    std, ours = summary["standard"], summary["chunked"]
-    summary["time_ratio"] = ours["step_time_s"] / std["step_time_s"]
-    summary["loss_path_memory_ratio"] = std["loss_path_saved_mb"] / ours["loss_path_saved_mb"]
-    summary["step_peak_rss_ratio"] = std["step_peak_rss_mb"] / ours["step_peak_rss_mb"]
+    std = summary["standard"]
+    for variant in VARIANTS[1:]:
+        ours = summary[variant]
+        ours["time_ratio"] = ours["step_time_s"] / std["step_time_s"]
+        ours["loss_path_memory_ratio"] = std["loss_path_saved_mb"] / ours["loss_path_saved_mb"]
+        ours["step_peak_rss_ratio"] = std["step_peak_rss_mb"] / ours["step_peak_rss_mb"]
     summary["load_average_1m"] = psutil.getloadavg()[0]
     config = {k: getattr(args, k) for k in ("vocab", "hidden", "tokens", "layers", "chunk_tokens", "ignored", "steps",
                                             "rounds", "threads")}

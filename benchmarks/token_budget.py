@@ -13,9 +13,9 @@ the longest possible sample within the same budget (``tokens // longest cost``),
 ``--batch-size`` samples, then an SGD step; rounds interleave the two (fixed, tokens, fixed, ...), medians reported.
 
 Reported per variant: real tokens/s (attention-mask tokens, image placeholders included, over the wall time),
-micro-batches per step, and the peak bytes saved for backward by any micro-batch; per batch, the token budget's
-peak next to the budget's share (what a micro-batch of that batch's costliest samples within N tokens keeps, i.e.
-what the fixed size must be able to hold).
+micro-batches per step, and the peak bytes saved for backward by any micro-batch, next to the budget's share: what
+N tokens of text keep (text costs the most per token: an image costs its placeholders plus 9 patches, and keeps
+less than that many text tokens would).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from _common import median, write_result
 from vlmfast.hooks import TokenBudget, accumulate_gradients, saved_tensor_bytes
 from vlmfast.models.long_tail import collate_per_row_images, long_tailed_samples
 from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig
-from vlmfast.strategies.token_budget import image_token_cost, sample_costs
+from vlmfast.strategies.token_budget import image_token_cost
 
 
 def _batches(args: argparse.Namespace) -> list[tuple[list[dict[str, Any]], dict[str, torch.Tensor]]]:
@@ -83,14 +83,16 @@ def main() -> None:
     # Memory: each variant's costliest micro-batch, and the budget's share.
     from vlmfast.data.batch import split_batch
 
-    saved: dict[str, list[int]] = {"fixed": [], "tokens": [], "share": []}
-    for samples, batch in batches:
+    saved: dict[str, list[int]] = {"fixed": [], "tokens": []}
+    for _, batch in batches:
         saved["fixed"].append(_peak_saved(model, split_batch(batch, fixed)))
         saved["tokens"].append(_peak_saved(model, budget.split(batch)))
-        costs = sample_costs(batch, per_image)  # the budget's share: N tokens of this batch's costliest samples
-        costliest = sorted(range(len(samples)), key=lambda i: -costs[i])[: max(args.tokens // max(costs), 1)]
-        saved["share"].append(saved_tensor_bytes(
-            lambda s=samples, c=costliest: model(**collate_per_row_images([s[i] for i in c])).loss))
+    # The budget's share: what N tokens of text keep (rows of at most max_text tokens, N in all).
+    rows = -(-args.tokens // args.max_text)
+    text = [{"input_ids": torch.randint(3, 64, (args.tokens // rows,)), "images": torch.zeros(0, 3, 48, 48)}
+            for _ in range(rows)]
+    text_batch = collate_per_row_images([{**t, "labels": t["input_ids"]} for t in text])
+    share = saved_tensor_bytes(lambda: model(**text_batch).loss)
 
     times: dict[str, list[float]] = {"fixed": [], "tokens": []}
     micro_batches = {"fixed": sum(len(split_batch(b, fixed)) for _, b in batches) / len(batches),
@@ -110,8 +112,8 @@ def main() -> None:
                   "peak_saved_mb_per_micro_batch": max(saved[variant]) / 2**20}
         for variant in times}
     summary["fixed"]["micro_batch_size"] = fixed
-    summary["budget_share_saved_mb_per_batch"] = [b / 2**20 for b in saved["share"]]
-    summary["tokens_peak_over_share_per_batch"] = [t / s for t, s in zip(saved["tokens"], saved["share"], strict=True)]
+    summary["budget_share_saved_mb"] = share / 2**20
+    summary["tokens_peak_over_share_per_batch"] = [t / share for t in saved["tokens"]]
     summary["speedup"] = summary["tokens"]["real_tokens_per_s"] / summary["fixed"]["real_tokens_per_s"]
     summary["load_average_1m"] = psutil.getloadavg()[0]
     cfg = {k: getattr(args, k) for k in ("tokens", "max_text", "batch_size", "batches", "rounds", "threads")}

@@ -101,3 +101,14 @@ def test_spec_checks() -> None:
         TrainSpec(activation_checkpointing={"enabled": True, "budget_gb": 1.0, "every": 2})
     with pytest.raises(ValueError, match="enabled: true"):
         TrainSpec(activation_checkpointing={"budget_gb": 1.0})
+
+
+def test_with_chunked_cross_entropy_the_plan_reserves_no_room_for_logits() -> None:
+    from vlmfast.strategies.activation_checkpointing import plan_for_budget
+
+    torch.manual_seed(0)
+    model = TinyVLM(TinyVLMConfig(text_layers=2, vision_layers=1, vocab_size=2048))
+    standard = plan_for_budget(model, 0.01)
+    chunked = plan_for_budget(model, 0.01, chunked_loss=True)
+    logits = (model.config.max_text_len - 1) * 2048 * 4  # the fp32 log-softmax of one sample
+    assert standard.costs.outside - chunked.costs.outside >= 0.9 * logits

@@ -23,11 +23,12 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().norm() / b.detach().norm())
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "in-forward"])
 @pytest.mark.parametrize(("softcap", "scale", "smoothing", "z_loss", "bias"), [
     (None, 1.0, 0.0, 0.0, False), (5.0, 1.0, 0.0, 0.0, False), (None, 0.5, 0.1, 1e-3, True),
     (3.0, 2.0, 0.2, 1e-2, True),
 ])
-def test_function_equals_the_standard_loss(softcap, scale, smoothing, z_loss, bias) -> None:
+def test_function_equals_the_standard_loss(softcap, scale, smoothing, z_loss, bias, recompute) -> None:
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 17, 16, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(VOCAB, 16, dtype=torch.float64, generator=g, requires_grad=True)
@@ -36,7 +37,7 @@ def test_function_equals_the_standard_loss(softcap, scale, smoothing, z_loss, bi
     targets[:, ::5] = -100
     leaves = [hidden, weight, *([b] if bias else [])]
     ours = linear_cross_entropy(hidden, weight, targets, bias=b, chunk_tokens=7, softcap=softcap, logit_scale=scale,
-                                label_smoothing=smoothing, z_loss=z_loss, reduction="mean")
+                                label_smoothing=smoothing, z_loss=z_loss, reduction="mean", recompute=recompute)
     logits = F.linear(hidden, weight, b) * scale
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
@@ -47,6 +48,22 @@ def test_function_equals_the_standard_loss(softcap, scale, smoothing, z_loss, bi
     assert abs(float(ours.detach() - standard.detach())) < 1e-10
     for a, b_ in zip(torch.autograd.grad(ours, leaves), torch.autograd.grad(standard, leaves), strict=True):
         assert _relative(a, b_) < 1e-10
+
+
+def test_under_autocast_the_head_runs_in_bf16_like_the_model() -> None:
+    """The head's matmul in autocast's dtype, the loss in fp32: the standard bf16 path's loss, to fp32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 32, generator=g, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(500, 32, generator=g))
+    targets = torch.randint(0, 500, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_cross_entropy(hidden, weight, targets, chunk_tokens=16)
+        standard = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+    assert ours.dtype == torch.float32
+    assert abs(float(ours.detach() - standard.detach())) <= 1e-5 * abs(float(standard.detach()))
+    ours_grad = torch.autograd.grad(ours, [hidden, weight])
+    standard_grad = torch.autograd.grad(standard, [hidden, weight])
+    assert all(_relative(a, b) < 2e-2 for a, b in zip(ours_grad, standard_grad, strict=True))  # bf16 rounding
 
 
 def _build(name: str) -> torch.nn.Module:
@@ -170,10 +187,13 @@ def test_loss_path_keeps_far_fewer_bytes_for_backward() -> None:
     def standard() -> torch.Tensor:
         return F.cross_entropy(F.linear(hidden * 1.0, weight), targets, reduction="sum")
 
-    def chunked() -> torch.Tensor:
-        return linear_cross_entropy(hidden * 1.0, weight, targets, chunk_tokens=64)
+    def chunked(recompute: bool = True) -> torch.Tensor:
+        return linear_cross_entropy(hidden * 1.0, weight, targets, chunk_tokens=64, recompute=recompute)
 
     assert saved_tensor_bytes(standard) > 50 * saved_tensor_bytes(chunked)
+    # Gradients computed in forward keep the head weight's [vocab, hidden] gradient instead: Liger's ratio, not 50x.
+    in_forward = saved_tensor_bytes(lambda: chunked(recompute=False))
+    assert saved_tensor_bytes(chunked) < in_forward < saved_tensor_bytes(standard) / 5
     assert torch.equal(shift_targets(torch.tensor([[1, 2, 3]])), torch.tensor([[2, 3, -100]]))
 
 

@@ -339,9 +339,11 @@ def apply_checkpoint_plan(model: nn.Module, plan: CheckpointPlan, *, offload_to_
 
 def plan_for_budget(model: nn.Module, budget_gb: float, *, micro_batch_size: int = 1,
                     micro_batch_tokens: int | None = None, seq_len: int | None = None, precision: str = "fp32",
-                    selective: bool = True, scope: str = "all", blocks: Iterable[str] = ()) -> CheckpointPlan:
+                    selective: bool = True, scope: str = "all", blocks: Iterable[str] = (),
+                    chunked_loss: bool = False) -> CheckpointPlan:
     """The plan for ``activation_checkpointing.budget_gb``: one probe forward of one sample at ``seq_len`` (default:
-    the model's longest) with the built-in probe, scaled to the micro-batch's rows, then planned.
+    the model's longest) with the built-in probe, scaled to the micro-batch's rows, then planned. ``chunked_loss``:
+    the probe's loss is the chunked linear cross-entropy (no logits kept), as it will be in training.
 
     Usage: ``plan = plan_for_budget(model, 4.0, micro_batch_size=2)``; ``apply_checkpoint_plan(model, plan)``
     """
@@ -367,7 +369,7 @@ def plan_for_budget(model: nn.Module, budget_gb: float, *, micro_batch_size: int
     model.train()
     try:
         with autocast:
-            costs = measure_block_costs(model, lambda: probe(1, length), candidates)
+            costs = measure_block_costs(model, lambda: probe(1, length, chunked_loss), candidates)
     finally:
         model.train(was_training)
     return plan_checkpointing(costs.times(rows), int(budget_gb * 2**30), selective=selective, towers=towers)
@@ -466,13 +468,14 @@ class ActivationCheckpointing(Strategy):
     name = "activation_checkpointing"
 
     def __init__(self, spec: ActivationCheckpointingSpec, *, micro_batch_size: int = 1,
-                 micro_batch_tokens: int | None = None, precision: str = "fp32") -> None:
+                 micro_batch_tokens: int | None = None, precision: str = "fp32", chunked_loss: bool = False) -> None:
         self.spec = spec
         self.blocks: list[str] = []
         self.list_sizes: dict[str, int] = {}
         self.frozen: list[str] = []
         self.hf_native = False
         self.micro_batch_size, self.micro_batch_tokens, self.precision = micro_batch_size, micro_batch_tokens, precision
+        self.chunked_loss = chunked_loss  # linear_cross_entropy is on: the loss keeps no logits
         self.plan: CheckpointPlan | None = None
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -483,7 +486,7 @@ class ActivationCheckpointing(Strategy):
             self.plan = plan_for_budget(model, s.budget_gb, micro_batch_size=self.micro_batch_size,
                                         micro_batch_tokens=self.micro_batch_tokens, seq_len=s.budget_seq_len,
                                         precision=self.precision, selective=s.selective, scope=s.scope,
-                                        blocks=s.blocks)
+                                        blocks=s.blocks, chunked_loss=self.chunked_loss)
             self.blocks = apply_checkpoint_plan(model, self.plan, offload_to_cpu=s.offload_to_cpu)
         else:
             self.hf_native = _is_hf_model(model) and not s.blocks and s.every == 1 and s.scope == "all"

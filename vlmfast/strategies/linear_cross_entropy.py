@@ -84,6 +84,10 @@ class LinearCrossEntropySpec(Section):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="label smoothing (as F.cross_entropy's); the "
                                    "model's own loss has none, so leave 0 to train the same objective")
     z_loss: float = Field(0.0, ge=0, description="z-loss weight: adds z_loss * logsumexp(logits)^2 per token (PaLM)")
+    recompute: bool = Field(
+        True, description="recompute each chunk's logits in backward: nothing of vocabulary size kept (4 head "
+        "matmuls); false: gradients computed in forward and kept until backward, the head weight's [vocab, hidden] "
+        "fp32 included (3 matmuls, as the standard head; Liger's way)")
     verify: bool = Field(True, description="on the first batch, compare the head's logits on a few positions with "
                          "the model's own forward (catches a logit transform the model applies that this path lacks)")
 
@@ -110,6 +114,16 @@ class _Options:
     transform: HeadTransform
     label_smoothing: float
     z_loss: float
+    matmul_dtype: torch.dtype  # the head's matmuls: autocast's dtype when on, else the weight's
+    recompute: bool = True  # False: the gradients in forward, kept until backward (Liger's way)
+
+
+def _matmul_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype the model's head would run its matmul in: autocast's 16-bit dtype when on, else the weight's."""
+    device = weight.device.type
+    if device in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
 
 
 def shift_targets(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -139,6 +153,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     impl: Impl = "torch",
+    recompute: bool = True,
 ) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, computed chunk by chunk.
 
@@ -148,8 +163,11 @@ def linear_cross_entropy(
     [V, H]. Returns the fp32 loss summed over the tokens whose target is not ``ignore_index`` (``reduction="sum"``)
     or their mean. The logits are ``logit_scale * (hidden @ weight.T + bias)``, soft-capped as
     ``softcap * tanh(logits / softcap)`` when ``softcap`` is set, in fp32 (fp64 inputs stay fp64). Never holds more
-    than ``chunk_tokens`` rows of logits; keeps one fp32 log-sum-exp per token for backward. ``impl`` 'liger' or
-    'cce' runs those libraries' fused CUDA kernels instead ('auto' picks one, see :func:`resolve_impl`).
+    than ``chunk_tokens`` rows of logits; keeps one fp32 log-sum-exp per token for backward and recomputes each
+    chunk's logits there (four matmuls of the head in all). ``recompute=False`` computes the gradients during forward
+    instead (three matmuls, as the standard head) and keeps them, the head weight's included ([V, H] fp32), until
+    backward. ``impl`` 'liger' or 'cce' runs those libraries' fused CUDA kernels instead ('auto' picks one, see
+    :func:`resolve_impl`).
     """
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
@@ -163,8 +181,10 @@ def linear_cross_entropy(
     chosen = resolve_impl(impl, hidden.device)
     if chosen == "torch":
         chunk = chunk_tokens or auto_chunk_tokens(weight.shape[0])
-        options = _Options(ignore_index, chunk, HeadTransform(logit_scale, softcap), label_smoothing, z_loss)
-        total = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, options)
+        options = _Options(ignore_index, chunk, HeadTransform(logit_scale, softcap), label_smoothing, z_loss,
+                           _matmul_dtype(weight), recompute)
+        with torch.autocast(hidden.device.type, enabled=False):  # the function casts itself (options.matmul_dtype)
+            total = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, options)
     else:
         total = _fused_kernel(chosen, flat_hidden, weight, bias, flat_targets, ignore_index, softcap, logit_scale,
                               label_smoothing, z_loss)
@@ -185,21 +205,25 @@ class _ChunkLogits:
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, transform: HeadTransform, dtype: torch.dtype,
-                 rows: int) -> None:
-        self.weight, self.bias, self.transform, self.dtype = weight, bias, transform, dtype
+                 rows: int, matmul_dtype: torch.dtype | None = None) -> None:
+        self.transform, self.dtype = transform, dtype
+        self.matmul_dtype = matmul_dtype or weight.dtype
+        # Cast once per pass (autocast keeps one 16-bit copy of the weight per forward the same way).
+        self.weight = weight.to(self.matmul_dtype)
+        self.bias = None if bias is None else bias.to(self.matmul_dtype)
         self.buffer = torch.empty(rows, weight.shape[0], dtype=dtype, device=weight.device)
 
     def raw(self, hidden: Tensor) -> Tensor:
         """``hidden @ W.T (+ b)``, times the model's logit scale, in the compute dtype: the matmul in the head's
-        dtype as the model's head runs it, then upcast as Hugging Face's loss upcasts."""
+        dtype (or autocast's) as the model's head runs it, then upcast as Hugging Face's loss upcasts."""
         out = self.buffer[: hidden.shape[0]]
-        if hidden.dtype == self.dtype and self.weight.dtype == self.dtype:
+        if hidden.dtype == self.dtype and self.matmul_dtype == self.dtype:
             if self.bias is None:
                 torch.mm(hidden, self.weight.t(), out=out)
             else:
-                torch.addmm(self.bias.to(self.dtype), hidden, self.weight.t(), out=out)
+                torch.addmm(self.bias, hidden, self.weight.t(), out=out)
         else:
-            out.copy_(F.linear(hidden, self.weight, self.bias))
+            out.copy_(F.linear(hidden.to(self.matmul_dtype), self.weight, self.bias))
         if self.transform.scale != 1.0:
             out.mul_(self.transform.scale)
         return out
@@ -221,8 +245,56 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, transform
         hidden.reshape(-1, hidden.shape[-1]))
 
 
+def _to_gradient(probs: Tensor, chunk_lse: Tensor, target: Tensor, tanh: Tensor | None, opts: _Options,
+                 vocab: int) -> Tensor:
+    """Softmax of a chunk (in place) -> d loss / d raw logits: softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V,
+    through the soft-cap (times 1 - tanh^2) and the logit scale. The upstream gradient is applied later, once."""
+    eps = opts.label_smoothing
+    if opts.z_loss:
+        probs.mul_((1 + 2 * opts.z_loss * chunk_lse)[:, None])
+    if eps:
+        probs.sub_(eps / vocab)
+    probs[torch.arange(target.numel(), device=probs.device), target] -= 1 - eps
+    if tanh is not None:
+        probs.mul_(tanh.square_().neg_().add_(1))
+    if opts.transform.scale != 1.0:
+        probs.mul_(opts.transform.scale)
+    return probs
+
+
+class _Gradients:
+    """The gradients of the hidden states, the head weight and bias, accumulated chunk by chunk."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: tuple[bool, ...],
+                 dtype: torch.dtype, chunks: _ChunkLogits) -> None:
+        self.chunks, self.dtype, self.hidden_dtype = chunks, dtype, hidden.dtype
+        self.hidden = torch.zeros_like(hidden) if needs[0] else None
+        # fp32 accumulation over chunks (the standard path reduces over all tokens in one fp32-accumulating matmul)
+        self.weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
+        self.bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if needs[2] and bias is not None else None
+
+    def add(self, grad: Tensor, rows: Tensor, chunk_hidden: Tensor) -> None:
+        md = self.chunks.matmul_dtype
+        if self.hidden is not None:  # in the head's matmul dtype, as the standard backward runs it
+            self.hidden[rows] = (grad.to(md) @ self.chunks.weight).to(self.hidden_dtype)
+        if self.weight is not None and md != self.dtype:  # 16-bit matmuls, accumulated in fp32
+            self.weight += (grad.t().to(md) @ chunk_hidden.to(md)).to(self.dtype)
+        elif self.weight is not None:
+            self.weight.addmm_(grad.t(), chunk_hidden)
+        if self.bias is not None:
+            self.bias += grad.sum(0)
+
+    def tensors(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        return self.hidden, self.weight, self.bias
+
+
+def _scaled(grads: tuple[Tensor | None, ...], scale: Tensor) -> list[Tensor | None]:
+    return [None if g is None else g.mul_(scale.to(g.dtype)) for g in grads]
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Summed token loss of ``hidden @ weight.T``; saves the inputs and one log-sum-exp per kept token."""
+    """Summed token loss of ``hidden @ weight.T``: recompute mode saves the inputs and one log-sum-exp per kept token;
+    precompute mode (``opts.recompute`` False) computes the gradients in forward and saves them instead."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
@@ -235,11 +307,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         kept_targets = targets[keep]
         lse = torch.empty(keep.numel(), dtype=dtype, device=hidden.device)
         total = torch.zeros((), dtype=dtype, device=hidden.device)
-        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)))
+        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)),
+                              opts.matmul_dtype)
+        needs = tuple(ctx.needs_input_grad[:3])
+        sink = _Gradients(hidden, weight, bias, needs, dtype, chunks) if not opts.recompute and any(needs) else None
         eps = opts.label_smoothing
         for start in range(0, keep.numel(), opts.chunk_tokens):
             rows = keep[start:start + opts.chunk_tokens]
-            logits, _ = chunks.capped(hidden[rows])
+            chunk_hidden = hidden[rows]
+            logits, tanh = chunks.capped(chunk_hidden)
             target = kept_targets[start:start + rows.numel()]
             loss = -logits.gather(1, target[:, None]).squeeze(1)
             if eps:
@@ -252,51 +328,41 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if opts.z_loss:
                 loss += opts.z_loss * chunk_lse.square()
             total += loss.sum()
-        ctx.save_for_backward(hidden, weight, bias, keep, kept_targets, lse)
+            if sink is not None:  # the chunk's softmax is at hand: its gradients now, no recomputation later
+                probs = logits.mul_(torch.exp(top - chunk_lse)[:, None])
+                sink.add(_to_gradient(probs, chunk_lse, target, tanh, opts, weight.shape[0]), rows, chunk_hidden)
         ctx.opts = opts
+        ctx.precomputed = sink is not None
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        if sink is not None:  # saved (not kept on ctx) so saved-tensor hooks see, and measure, what this keeps
+            ctx.save_for_backward(*sink.tensors())
+        else:
+            ctx.save_for_backward(hidden, weight, bias, keep, kept_targets, lse)
         return total.float() if dtype != torch.float64 else total
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.precomputed:
+            grad_hidden, grad_weight, grad_bias = _scaled(ctx.saved_tensors, grad_total)
+            weight_dtype, bias_dtype = ctx.dtypes
+            return (grad_hidden, None if grad_weight is None else grad_weight.to(weight_dtype),
+                    None if grad_bias is None else grad_bias.to(bias_dtype), None, None)
         hidden, weight, bias, keep, kept_targets, lse = ctx.saved_tensors
         opts: _Options = ctx.opts
         dtype = lse.dtype
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        # fp32 accumulation over chunks (the standard path reduces over all tokens in one fp32-accumulating matmul)
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_bias else None
-        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)))
-        eps = opts.label_smoothing
+        chunks = _ChunkLogits(weight, bias, opts.transform, dtype, min(opts.chunk_tokens, max(keep.numel(), 1)),
+                              opts.matmul_dtype)
+        sink = _Gradients(hidden, weight, bias, tuple(ctx.needs_input_grad[:3]), dtype, chunks)
         for start in range(0, keep.numel(), opts.chunk_tokens):
             rows = keep[start:start + opts.chunk_tokens]
             chunk_hidden = hidden[rows]
             chunk_lse = lse[start:start + rows.numel()]
-            # d loss / d logits = softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V (times the upstream gradient,
-            # applied once to the results below rather than to every chunk)
             logits, tanh = chunks.capped(chunk_hidden)
-            grad = logits.sub_(chunk_lse[:, None]).exp_()
-            if opts.z_loss:
-                grad.mul_((1 + 2 * opts.z_loss * chunk_lse)[:, None])
-            if eps:
-                grad.sub_(eps / weight.shape[0])
+            probs = logits.sub_(chunk_lse[:, None]).exp_()
             target = kept_targets[start:start + rows.numel()]
-            grad[torch.arange(rows.numel(), device=grad.device), target] -= 1 - eps
-            if tanh is not None:  # through softcap * tanh(z / softcap): times 1 - tanh^2
-                grad.mul_(tanh.square_().neg_().add_(1))
-            if opts.transform.scale != 1.0:
-                grad.mul_(opts.transform.scale)
-            if grad_hidden is not None:  # in the head's dtype, as the standard backward runs it
-                grad_hidden[rows] = grad.to(weight.dtype) @ weight
-            if grad_weight is not None:  # in fp32 (fp64): no rounding between chunks
-                grad_weight.addmm_(grad.t(), chunk_hidden.to(dtype))
-            if grad_bias is not None:
-                grad_bias += grad.sum(0)
-            del logits, grad
-        scale = grad_total.to(dtype)
-        for grad in (grad_hidden, grad_weight, grad_bias):
-            if grad is not None:
-                grad.mul_(scale.to(grad.dtype))
+            sink.add(_to_gradient(probs, chunk_lse, target, tanh, opts, weight.shape[0]), rows, chunk_hidden)
+            del logits, probs
+        grad_hidden, grad_weight, grad_bias = _scaled(sink.tensors(), grad_total.to(dtype))
         return (grad_hidden, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None)
 
 
@@ -492,6 +558,7 @@ class ChunkedLossModel:
     label_smoothing: float
     z_loss: float
     verify: bool
+    recompute: bool = True
     verified: str = "not yet"  # "yes", "not yet", or why it could not be checked
     calls: int = 0
 
@@ -535,7 +602,7 @@ class ChunkedLossModel:
         total = linear_cross_entropy(
             hidden, head.weight, targets.to(hidden.device), bias=getattr(head, "bias", None), reduction="sum",
             chunk_tokens=self.chunk_tokens, softcap=t.softcap, logit_scale=t.scale,
-            label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl)
+            label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl, recompute=self.recompute)
         if num_items is not None:  # the model's own convention: sum / num_items_in_batch (HF's fixed_cross_entropy)
             divisor = num_items.to(total.device) if isinstance(num_items, Tensor) else num_items
         else:
@@ -583,7 +650,8 @@ class ChunkedLossModel:
         extras += [f"logit scale {t.scale:g}"] if t.scale != 1.0 else []
         extras += [f"label smoothing {self.label_smoothing:g}"] if self.label_smoothing else []
         extras += [f"z-loss {self.z_loss:g}"] if self.z_loss else []
-        chunks = f"chunks of {self.chunk_tokens} tokens" if self.impl == "torch" else "fused kernel"
+        how = "logits recomputed in backward" if self.recompute else "gradients computed in forward"
+        chunks = f"chunks of {self.chunk_tokens} tokens, {how}" if self.impl == "torch" else "fused kernel"
         extra = f", {', '.join(extras)}" if extras else ""
         return (f"linear cross-entropy: {self.impl} ({chunks}{extra}), logits never materialised; "
                 f"{self.source.kind} model; checked against its own logits: {self.verified}")
@@ -606,6 +674,7 @@ def apply_linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     verify: bool = True,
+    recompute: bool = True,
 ) -> ChunkedLossModel:
     """Make ``model(**batch)`` with labels return the chunked loss (same value and gradients, no logits).
 
@@ -622,7 +691,8 @@ def apply_linear_cross_entropy(
     state = ChunkedLossModel(
         source=source, original=original, signature=inspect.signature(original),
         chunk_tokens=chunk_tokens or auto_chunk_tokens(weight.shape[0]),
-        impl=resolve_impl(impl, weight.device), label_smoothing=label_smoothing, z_loss=z_loss, verify=verify)
+        impl=resolve_impl(impl, weight.device), label_smoothing=label_smoothing, z_loss=z_loss, verify=verify,
+        recompute=recompute)
     model._vlmfast_lce = state
     model.forward = types.MethodType(_chunked_forward, model)
     return state
@@ -649,7 +719,7 @@ class LinearCrossEntropy(Strategy):
             s = self.spec
             self.state = apply_linear_cross_entropy(model, chunk_tokens=s.chunk_tokens, impl=s.impl,
                                                     label_smoothing=s.label_smoothing, z_loss=s.z_loss,
-                                                    verify=s.verify)
+                                                    verify=s.verify, recompute=s.recompute)
         return model
 
     def describe(self) -> str:

@@ -27,6 +27,7 @@ from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropy
 from vlmfast.strategies.nonfinite import NonFiniteGuard
 from vlmfast.strategies.token_budget import TokenBudgetSizer, image_token_cost
 from vlmfast.strategies.vision_cache import VisionCache
+from vlmfast.utils import unwrap_model
 
 
 @dataclass
@@ -61,7 +62,8 @@ def _activation_checkpointing(spec: Any, ctx: BuildContext) -> Strategy | None:
     if not spec.activation_checkpointing.enabled:
         return None
     return ActivationCheckpointing(spec.activation_checkpointing, micro_batch_size=spec.resolved_micro_batch_size,
-                                   micro_batch_tokens=spec.micro_batch_tokens, precision=spec.precision)
+                                   micro_batch_tokens=spec.micro_batch_tokens, precision=spec.precision,
+                                   chunked_loss=spec.linear_cross_entropy.enabled)
 
 
 def _linear_cross_entropy(spec: Any, ctx: BuildContext) -> Strategy | None:
@@ -111,11 +113,16 @@ def build_micro_batching(spec: Any, model: Any = None, *, describe_memory: Calla
 
     Usage (the loop): ``self.micro_batching = build_micro_batching(spec, model, describe_memory=..., on_oom=...)``
 
-    Images are charged :func:`image_token_cost` tokens each, on top of the placeholders ``input_ids`` holds.
+    Images are charged :func:`image_token_cost` (vision-tower) tokens each; a model that prepends image tokens to
+    its padded rows (``prepended_image_tokens``) has them added to the rows' lengths.
     """
     if spec.micro_batch_tokens is None:
         return oom.build_micro_batching(spec.oom, spec.resolved_micro_batch_size, describe_memory=describe_memory,
                                         on_oom=on_oom)
-    image_tokens = image_token_cost(model, in_input_ids=spec.packing.enabled) if model is not None else 0
+    image_tokens = image_token_cost(model) if model is not None else 0
+    # Packed rows hold an image's language-model tokens as placeholders; padded rows of a model that prepends them
+    # itself (the tiny VLM) do not, so they are added to the rows' lengths.
+    prepended = 0 if spec.packing.enabled or model is None else int(
+        getattr(unwrap_model(model), "prepended_image_tokens", 0) or 0)
     return TokenBudgetSizer(spec.micro_batch_tokens, max_rows=spec.micro_batch_size, image_tokens=image_tokens,
-                            oom=spec.oom, describe_memory=describe_memory, on_oom=on_oom)
+                            prepended_tokens=prepended, oom=spec.oom, describe_memory=describe_memory, on_oom=on_oom)

@@ -2,7 +2,7 @@
 
 Usage in a hand-written loop::
 
-    budget = TokenBudget(tokens=4096, image_tokens=image_token_cost(model, in_input_ids=False))
+    budget = TokenBudget(tokens=4096, image_tokens=image_token_cost(model))    # + the vision tower's patches
     for micro in split_by_tokens(batch, budget):          # longest samples first, each micro-batch trimmed
         loss = model(**micro).loss * n_items(micro) / n_items(batch)   # weighted by its share of loss tokens
         loss.backward()
@@ -13,9 +13,9 @@ VLM samples range from 10 to 8K tokens and 0 to 8 images. A fixed number of samp
 enough for the longest ones, and then wastes the device on the short ones (and every micro-batch of a padded batch
 still pays the batch's longest length). Here a micro-batch's cost is its padded length times its rows, and
 micro-batches are filled longest first until the next sample would push the cost over the budget: long samples go a
-few at a time, short ones many at a time, and each micro-batch is trimmed to its own longest sample. An image costs
-its placeholder tokens plus the vision tower's patches (:func:`image_token_cost`), since the tower keeps activations
-per patch too. Packed rows (``packing``) cost their width. A sample longer than the budget runs alone (it cannot be
+few at a time, short ones many at a time, and each micro-batch is trimmed to its own longest sample. Its images
+add the vision tower's patches (:func:`image_token_cost`), unpadded, since the tower keeps activations per patch
+too. Packed rows (``packing``) cost their width. A sample longer than the budget runs alone (it cannot be
 split): ``describe()`` and the step metrics say so.
 
 The gradient stays the full-batch gradient: gradient accumulation weights each micro-batch by its share of loss
@@ -45,8 +45,11 @@ __all__ = [
     "TokenBudget",
     "TokenBudgetSizer",
     "image_token_cost",
+    "images_per_row",
+    "micro_batch_cost",
     "plan_token_micro_batches",
     "sample_costs",
+    "sample_lengths",
     "split_by_tokens",
 ]
 
@@ -63,11 +66,12 @@ COUNT_SUFFIX = "_per_row"  # packing's images_per_row / <key>_per_row: how many 
 # costs and the plan
 
 
-def sample_costs(batch: Mapping[str, Any], image_tokens: int = 0) -> list[int]:
-    """Tokens each row of a collated batch costs: real tokens (``attention_mask``; a packed or unmasked row: its
-    width) plus ``image_tokens`` per image (:func:`image_token_cost`: vision-tower patches, prepended tokens).
+def sample_lengths(batch: Mapping[str, Any], prepended_tokens: int = 0) -> list[int]:
+    """Language-model tokens of each row of a collated batch: real tokens (``attention_mask``; a packed or unmasked
+    row: its width), plus ``prepended_tokens`` per image for models that put image tokens before the text
+    themselves (the tiny VLM's padded rows).
 
-    Usage: ``sample_costs(batch, image_tokens=9)`` -> ``[57, 12, ...]``
+    Usage: ``sample_lengths(batch)`` -> ``[57, 12, ...]``
     """
     ids = batch.get("input_ids")
     if not isinstance(ids, Tensor) or ids.dim() != 2:
@@ -75,44 +79,69 @@ def sample_costs(batch: Mapping[str, Any], image_tokens: int = 0) -> list[int]:
                          "sample lengths (dict batches only)")
     mask = batch.get("attention_mask")
     if isinstance(mask, Tensor) and mask.shape == ids.shape:
-        costs = mask.ne(0).sum(dim=1)
+        lengths = mask.ne(0).sum(dim=1)
     else:
-        costs = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
-    if image_tokens:
-        costs = costs + image_tokens * _images_per_row(batch, ids.shape[0])
-    return [int(c) for c in costs.tolist()]
+        lengths = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
+    if prepended_tokens:
+        lengths = lengths + prepended_tokens * images_per_row(batch)
+    return [int(n) for n in lengths.tolist()]
 
 
-def _images_per_row(batch: Mapping[str, Any], rows: int) -> Tensor:
+def images_per_row(batch: Mapping[str, Any]) -> Tensor:
+    """Images of each row: ``images_per_row``, else one per row when ``pixel_values`` has a row each, else none."""
+    rows = batch["input_ids"].shape[0]
     counts = batch.get("images_per_row")
     if isinstance(counts, Tensor):
-        return counts.long()
+        return counts.long().cpu()
     pixels = batch.get("pixel_values")
     if isinstance(pixels, Tensor) and pixels.shape[0] == rows:
         return torch.ones(rows, dtype=torch.long)
     return torch.zeros(rows, dtype=torch.long)
 
 
-def plan_token_micro_batches(costs: Sequence[int], max_tokens: int, max_rows: int | None = None) -> list[list[int]]:
-    """Row indices of each micro-batch: longest first, each filled while rows x its longest cost <= ``max_tokens``.
+def sample_costs(batch: Mapping[str, Any], image_tokens: int = 0, prepended_tokens: int = 0) -> list[int]:
+    """What each row costs alone: its language-model tokens plus ``image_tokens`` per image (the vision tower's
+    tokens, :func:`image_token_cost`).
+
+    Usage: ``sample_costs(batch, image_tokens=9)`` -> ``[75, 12, ...]``
+    """
+    lengths = sample_lengths(batch, prepended_tokens)
+    images = images_per_row(batch).tolist()
+    return [n + image_tokens * k for n, k in zip(lengths, images, strict=True)]
+
+
+def plan_token_micro_batches(lengths: Sequence[int], max_tokens: int, max_rows: int | None = None, *,
+                             images: Sequence[int] | None = None, image_tokens: int = 0) -> list[list[int]]:
+    """Row indices of each micro-batch, longest first, each filled while its cost stays within ``max_tokens``.
 
     Usage: ``plan_token_micro_batches([900, 20, 30, 400], 1000)`` -> ``[[0], [3, 2], [1]]``
 
-    A row costing more than ``max_tokens`` gets a micro-batch of its own. Deterministic: ties keep batch order.
+    A micro-batch's cost is rows x its longest length (the language model runs padded rows) plus ``image_tokens``
+    per image of its rows (the vision tower runs each image, unpadded). A row costing more than ``max_tokens`` alone
+    gets a micro-batch of its own. Deterministic: ties keep batch order.
     """
     if max_tokens < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {max_tokens}")
-    order = sorted(range(len(costs)), key=lambda i: -costs[i])
+    images = list(images) if images is not None else [0] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
+    vision = 0
     for i in order:
         group = groups[-1] if groups else None
-        longest = costs[group[0]] if group else 0
-        fits = group is not None and (len(group) + 1) * longest <= max_tokens
-        if fits and (max_rows is None or len(group) < max_rows):
-            group.append(i)
-        else:
-            groups.append([i])
+        if group is not None and (max_rows is None or len(group) < max_rows):
+            cost = (len(group) + 1) * lengths[group[0]] + image_tokens * (vision + images[i])
+            if cost <= max_tokens:
+                group.append(i)
+                vision += images[i]
+                continue
+        groups.append([i])
+        vision = images[i]
     return groups
+
+
+def micro_batch_cost(lengths: Sequence[int], images: Sequence[int], group: Sequence[int], image_tokens: int) -> int:
+    """The padded cost of one micro-batch (see :func:`plan_token_micro_batches`)."""
+    return len(group) * max(lengths[i] for i in group) + image_tokens * sum(images[i] for i in group)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -197,7 +226,8 @@ class TokenBudget:
 
     tokens: int
     max_rows: int | None = None  # micro_batch_size as a cap on rows, if set
-    image_tokens: int = 0  # charged per image beyond input_ids: see image_token_cost
+    image_tokens: int = 0  # vision-tower tokens charged per image: see image_token_cost
+    prepended_tokens: int = 0  # language-model tokens per image the model adds before the text (not in input_ids)
     last: dict[str, Any] = field(default_factory=dict)  # the last split: micro_batches, max tokens, rows
 
     def split(self, batch: Any) -> list[dict[str, Any]]:
@@ -205,22 +235,24 @@ class TokenBudget:
         if not isinstance(batch, Mapping):
             raise ValueError(f"micro_batch_tokens splits dict batches (a collate_fn returning a dict of tensors); "
                              f"got a {type(batch).__name__}: use micro_batch_size")
-        costs = sample_costs(batch, self.image_tokens)
-        groups = plan_token_micro_batches(costs, self.tokens, self.max_rows)
+        lengths = sample_lengths(batch, self.prepended_tokens)
+        images = images_per_row(batch).tolist()
+        groups = plan_token_micro_batches(lengths, self.tokens, self.max_rows, images=images,
+                                          image_tokens=self.image_tokens)
         micro_batches = [_select(batch, group, _columns(batch, group)) for group in groups]
-        padded = [len(group) * costs[group[0]] for group in groups]
-        self.last = {"micro_batches": len(groups), "micro_batch_tokens": max(padded),
-                     "micro_batch_rows": max(len(g) for g in groups),
-                     "real_tokens": sum(costs), "over_budget": sum(costs[g[0]] > self.tokens for g in groups)}
+        costs = [micro_batch_cost(lengths, images, group, self.image_tokens) for group in groups]
+        self.last = {"micro_batches": len(groups), "micro_batch_tokens": max(costs),
+                     "micro_batch_rows": max(len(g) for g in groups), "real_tokens": sum(lengths),
+                     "over_budget": sum(len(g) == 1 and c > self.tokens for g, c in zip(groups, costs, strict=True))}
         return micro_batches
 
     def halved(self) -> TokenBudget:
         """Half the budget (the OOM fallback's retry size); rows capped as before."""
-        return TokenBudget(max(self.tokens // 2, 1), self.max_rows, self.image_tokens)
+        return TokenBudget(max(self.tokens // 2, 1), self.max_rows, self.image_tokens, self.prepended_tokens)
 
     def grown(self, limit: int) -> TokenBudget:
         """Twice the budget, at most ``limit`` (growing back after clean steps)."""
-        return TokenBudget(min(self.tokens * 2, limit), self.max_rows, self.image_tokens)
+        return TokenBudget(min(self.tokens * 2, limit), self.max_rows, self.image_tokens, self.prepended_tokens)
 
     @property
     def at_minimum(self) -> bool:
@@ -247,10 +279,11 @@ class TokenBudgetSizer(Strategy):
 
     name = "micro_batch_tokens"
 
-    def __init__(self, tokens: int, *, max_rows: int | None = None, image_tokens: int = 0, oom: Any = None,
-                 describe_memory: Callable[[], str] | None = None, on_oom: Callable[[], None] | None = None) -> None:
+    def __init__(self, tokens: int, *, max_rows: int | None = None, image_tokens: int = 0, prepended_tokens: int = 0,
+                 oom: Any = None, describe_memory: Callable[[], str] | None = None,
+                 on_oom: Callable[[], None] | None = None) -> None:
         self.configured = tokens
-        self.budget = TokenBudget(tokens, max_rows, image_tokens)
+        self.budget = TokenBudget(tokens, max_rows, image_tokens, prepended_tokens)
         self.oom = oom if oom is not None and oom.enabled else None
         self.grow_after = oom.grow_after_steps if self.oom is not None else None
         self.clean_steps = 0
@@ -324,7 +357,8 @@ class TokenBudgetSizer(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state and state.get("configured") == self.configured:  # a deliberately changed spec wins
-            self.budget = TokenBudget(state["tokens"], self.budget.max_rows, self.budget.image_tokens)
+            b = self.budget
+            self.budget = TokenBudget(state["tokens"], b.max_rows, b.image_tokens, b.prepended_tokens)
             self.clean_steps = state["clean_steps"]
 
     def describe(self) -> str:
@@ -336,14 +370,13 @@ class TokenBudgetSizer(Strategy):
         return f"micro-batches by tokens: {self.budget} each, longest first, {per_step}{over}{fallback}"
 
 
-def image_token_cost(model: Any, *, in_input_ids: bool = True) -> int:
-    """Tokens an image costs beyond what ``input_ids`` shows: the vision tower's tokens (patches) per image, plus
-    the language model's image tokens when the model puts them before the text itself (the tiny VLM's padded rows).
+def image_token_cost(model: Any) -> int:
+    """Tokens the vision tower runs per image (its patches), charged per image on top of the padded rows.
 
-    Usage: ``image_token_cost(tiny_vlm, in_input_ids=False)`` -> 18 (9 patches + 9 prepended tokens)
+    Usage: ``image_token_cost(tiny_vlm)`` -> 9; ``image_token_cost(llava_1_5)`` -> 576
 
-    The vision tower keeps activations per patch much as the language model does per token, so a sample with 8
-    images is charged for them even where its ``input_ids`` hold only a few placeholders each.
+    The vision tower keeps activations per patch much as the language model does per token, and runs each image
+    unpadded, so a micro-batch is charged for its images' patches whatever its rows' lengths.
     """
     model = unwrap_model(model)
     config = getattr(model, "config", None)
@@ -354,5 +387,5 @@ def image_token_cost(model: Any, *, in_input_ids: bool = True) -> int:
         size = size[0] if isinstance(size, (list, tuple)) else size
         patch = patch[0] if isinstance(patch, (list, tuple)) else patch
         patches = (size // patch) ** 2
-    prepended = 0 if in_input_ids else int(getattr(model, "prepended_image_tokens", 0) or 0)
-    return int(patches or 0) + prepended
+    return int(patches or 0)
+
