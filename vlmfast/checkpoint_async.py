@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -38,24 +39,31 @@ from vlmfast.checkpoint import checkpoint_name, save_checkpoint
 log = logging.getLogger(__name__)
 
 
-def snapshot_to_host(state: Any) -> Any:
-    """A copy of `state` whose tensors live in host memory and share nothing with the originals.
+def snapshot_to_host(state: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
+    """A copy of `state` whose tensors live in host memory and share nothing with the originals, and the list of
+    its tensors (in traversal order: pass it back as `reuse` once that copy is written, so the next copy goes into
+    the same buffers: no allocation, no page faults, no pinning).
 
     CUDA tensors are copied into pinned buffers without blocking, then synchronised once; a tensor that appears
     twice (tied weights) is copied once. Containers are rebuilt; other leaves are deep-copied.
     """
     copies: dict[int, torch.Tensor] = {}
+    buffers: list[torch.Tensor] = []
+    spare = list(reuse or [])
     devices: set[torch.device] = set()
 
     def visit(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             key = id(value)
             if key not in copies:
-                copies[key] = _host_copy(value.detach(), devices)
+                index = len(buffers)
+                target = spare[index] if index < len(spare) else None
+                copies[key] = _host_copy(value.detach(), devices, target)
+                buffers.append(copies[key])
             return copies[key]
         if isinstance(value, dict):
-            return type(value)((k, visit(v)) for k, v in value.items()) if type(value) is not dict \
-                else {k: visit(v) for k, v in value.items()}
+            items = ((k, visit(v)) for k, v in value.items())
+            return dict(items) if type(value) is dict else type(value)(items)
         if isinstance(value, list):
             return [visit(v) for v in value]
         if isinstance(value, tuple):
@@ -66,26 +74,30 @@ def snapshot_to_host(state: Any) -> Any:
     out = visit(state)
     for device in devices:  # the non-blocking copies into pinned memory are complete after this
         torch.cuda.synchronize(device)
-    return out
+    return out, buffers
 
 
-def _host_copy(tensor: torch.Tensor, devices: set[torch.device]) -> torch.Tensor:
-    if tensor.device.type == "cpu":
-        return tensor.clone()
+def _host_copy(tensor: torch.Tensor, devices: set[torch.device], target: torch.Tensor | None) -> torch.Tensor:
+    fits = (target is not None and target.shape == tensor.shape and target.dtype == tensor.dtype
+            and target.is_pinned() == (tensor.device.type == "cuda"))
     if tensor.device.type == "cuda":
         devices.add(tensor.device)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        host = target if fits else torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
         return host.copy_(tensor, non_blocking=True)
-    return tensor.to("cpu", copy=True)  # other devices: a blocking copy
+    if fits:
+        return target.copy_(tensor)
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu", copy=True)
 
 
 class AsyncCheckpointer:
     """Writes checkpoints in one background thread, at most one in flight (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer_niceness: int = 10) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: Path | None = None
+        self._buffers: list[torch.Tensor] = []  # the last copy's tensors, reused once it is written
+        self.writer_niceness = writer_niceness  # the writer thread yields the CPU to training (Linux: per thread)
         self.last_copy_s = 0.0  # the part of the last save the step waited for
         self.last_write_s = 0.0  # the part that ran in the background
 
@@ -95,7 +107,7 @@ class AsyncCheckpointer:
         write ends). Waits for the previous save first, and raises its error if it failed."""
         self.wait()
         start = time.perf_counter()
-        host_state = snapshot_to_host(state)
+        host_state, self._buffers = snapshot_to_host(state, reuse=self._buffers)
         self.last_copy_s = time.perf_counter() - start
         path = Path(directory) / checkpoint_name(step)
         self._path, self._error = path, None
@@ -107,6 +119,7 @@ class AsyncCheckpointer:
     def _write(self, directory: str | Path, step: int, state: dict[str, Any], keep_last: int,
                meta: dict[str, Any] | None, staged: Path | None) -> None:
         start = time.perf_counter()
+        _lower_priority(self.writer_niceness)
         try:
             save_checkpoint(directory, step, state, keep_last, meta=meta, staged=staged)
         except BaseException as exc:  # reported on the training thread: poll / wait / the next save
@@ -145,6 +158,18 @@ class AsyncCheckpointer:
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.wait()
+
+
+def _lower_priority(niceness: int) -> None:
+    """Lower this thread's CPU priority: on Linux a thread is a task with its own nice value, so the write, the
+    hashing and the pickling yield to the training thread instead of slowing its steps."""
+    if niceness <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+    except OSError:
+        pass
 
 
 def trainer_checkpointer(trainer: Any) -> AsyncCheckpointer:

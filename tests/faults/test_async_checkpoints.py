@@ -20,12 +20,15 @@ def test_the_snapshot_shares_nothing_with_the_live_state_and_keeps_ties():
     weight = torch.ones(4)
     state = {"model": {"embed": weight, "head": weight}, "optimizer": {"state": {0: {"exp_avg": torch.zeros(4)}}},
              "rng": {"python": (3, [1, 2]), "seed": 7}, "trainer": {"step": 2}}
-    snap = snapshot_to_host(state)
+    snap, buffers = snapshot_to_host(state)
     weight.add_(1)  # the optimizer updates the live tensors in place after the step
     state["optimizer"]["state"][0]["exp_avg"].add_(5)
     assert torch.equal(snap["model"]["embed"], torch.ones(4)) and snap["model"]["embed"] is snap["model"]["head"]
     assert torch.equal(snap["optimizer"]["state"][0]["exp_avg"], torch.zeros(4))
     assert snap["rng"] == {"python": (3, [1, 2]), "seed": 7} and snap["trainer"] == {"step": 2}
+    again, reused = snapshot_to_host(state, reuse=buffers)  # the next save copies into the same buffers
+    assert all(a is b for a, b in zip(reused, buffers, strict=True)) and len(buffers) == 2
+    assert torch.equal(again["model"]["head"], torch.full((4,), 2.0))
 
 
 class SlowSave:
