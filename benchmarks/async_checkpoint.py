@@ -9,7 +9,7 @@ Runs alternate between sync and async (interleaved rounds); each figure is the m
 
 Usage::
 
-    python benchmarks/async_checkpoint.py                     # 3 rounds of 2 x 96 steps, 1 torch thread
+    python benchmarks/async_checkpoint.py                     # 3 rounds of 2 x 240 steps, 1 torch thread
     python benchmarks/async_checkpoint.py --rounds 5 --dir /mnt/nvme/tmp
 """
 
@@ -89,15 +89,17 @@ def one_run(asynchronous: bool, args: argparse.Namespace, root: Path) -> dict[st
     state_bytes = sum(p.stat().st_size for p in list_checkpoints(save_dir)[-1].rglob("*") if p.is_file())
     copy_s = trainer._async_checkpointer.last_copy_s if asynchronous else None
     shutil.rmtree(save_dir, ignore_errors=True)
+    waited = trainer._async_checkpointer.last_wait_s if asynchronous else None
     return {"median_step_s": base, "hiccups_s": hiccups, "checkpoint_bytes": state_bytes, "host_copy_s": copy_s,
+            "last_save_waited_for_previous_s": waited,
             "blocked_s": blocked[:len(saves)]}  # the periodic saves (the final one waits for its write by design)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=96)
-    parser.add_argument("--save-every", type=int, default=24, help="far enough apart for the background write to "
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--save-every", type=int, default=60, help="far enough apart for the background write to "
                         "end before the next save on a busy machine (else the next save waits for it)")
     parser.add_argument("--window", type=int, default=6, help="steps after a save that can carry its cost")
     parser.add_argument("--warmup", type=int, default=3)

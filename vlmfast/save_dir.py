@@ -346,6 +346,10 @@ def prepare_save_dir(trainer: Any) -> SaveDirLock | None:
         trainer.callbacks.append(_ReleaseAtFitEnd(lock))
     lock.acquire()
     check_free_space(directory, trainer_checkpoint_bytes(trainer))
+    if trainer.spec.save.async_:  # from the first step on: it prepares the host buffers before the first save
+        from vlmfast.checkpoint_async import trainer_checkpointer
+
+        trainer_checkpointer(trainer)
     return lock
 
 

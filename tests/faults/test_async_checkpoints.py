@@ -99,6 +99,18 @@ def test_async_training_saves_the_same_checkpoints_and_resumes_exactly(tmp_path)
     assert losses(resumed) == losses(full)[4:]
 
 
+def test_the_first_save_copies_into_buffers_prepared_in_the_background(tmp_path, monkeypatch):
+    from vlmfast import checkpoint_async
+
+    fresh = []
+    real = checkpoint_async._host_copy
+    monkeypatch.setattr(checkpoint_async, "_host_copy",
+                        lambda tensor, devices, target: fresh.append(target is None) or real(tensor, devices, target))
+    train(make_spec(max_steps=4, save={"dir": str(tmp_path), "every_steps": 3, "async": True}))
+    assert fresh and not any(fresh)  # every tensor of the first save went into a prepared buffer
+    verify_checkpoint(tmp_path / "step_00000003")
+
+
 def test_the_end_of_the_run_waits_for_the_last_save(tmp_path, monkeypatch):
     slow = SlowSave(0.3)
     monkeypatch.setattr(torch, "save", slow)
