@@ -95,9 +95,8 @@ def commit_checkpoint(directory: Path, step: int, tmp: Path, files: list[tuple[s
     """
     final = directory / checkpoint_name(step)
     try:
-        for name, write in files:
-            _write_synced(tmp / name, write)
-        write_manifest(tmp, step)
+        hashed = {name: _write_synced(tmp / name, write) for name, write in files}
+        write_manifest(tmp, step, hashed)
         _publish(directory, tmp, final)
         _remember_verified(final)  # hashed from these very files: a resume in this process need not read them again
     except BaseException as exc:
@@ -189,11 +188,32 @@ def staging_dir(directory: str | Path, step: int, world_size: int = 1) -> Path:
     return staged
 
 
-def _write_synced(path: Path, write: Any) -> None:
+def _write_synced(path: Path, write: Any) -> str:
+    """Write through `write(file)`, fsync; returns the SHA-256 of the bytes written (hashed on the way, so the
+    manifest need not read the file back)."""
     with open(path, "wb") as f:
-        write(f)
+        hashing = _HashingWriter(f)
+        write(hashing)
         f.flush()
         os.fsync(f.fileno())
+    return hashing.digest.hexdigest()
+
+
+class _HashingWriter:
+    """A write-only file that hashes what passes through (torch.save writes its zip sequentially: write, flush)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("seek", "truncate"):  # a writer that rewinds would make the running hash wrong
+            raise AttributeError(name)
+        return getattr(self.file, name)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -205,14 +225,16 @@ def _fsync_dir(directory: Path) -> None:
 
 
 # ---- the manifest -----------------------------------------------------------------------------------------------
-def write_manifest(folder: Path, step: int) -> dict[str, Any]:
-    """Hash every file under `folder` (fsyncing files other ranks wrote) and write ``manifest.json`` last."""
+def write_manifest(folder: Path, step: int, hashed: dict[str, str] | None = None) -> dict[str, Any]:
+    """Hash every file under `folder` (fsyncing files other ranks wrote) and write ``manifest.json`` last.
+    `hashed`: SHA-256s already known (files this process wrote and fsynced), not read again."""
     files: dict[str, dict[str, Any]] = {}
     for path in sorted(_files_under(folder)):
         rel = path.relative_to(folder).as_posix()
         if rel == MANIFEST_FILE:
             continue
-        files[rel] = {"bytes": path.stat().st_size, "sha256": _sha256(path, fsync=True)}
+        digest = (hashed or {}).get(rel) or _sha256(path, fsync=True)
+        files[rel] = {"bytes": path.stat().st_size, "sha256": digest}
     for sub in sorted({p.parent for p in _files_under(folder)} | {folder}):
         _fsync_dir(sub)
     manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}

@@ -24,8 +24,10 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -38,24 +40,31 @@ from vlmfast.checkpoint import checkpoint_name, save_checkpoint
 log = logging.getLogger(__name__)
 
 
-def snapshot_to_host(state: Any) -> Any:
-    """A copy of `state` whose tensors live in host memory and share nothing with the originals.
+def snapshot_to_host(state: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
+    """A copy of `state` whose tensors live in host memory and share nothing with the originals, and the list of
+    its tensors (in traversal order: pass it back as `reuse` once that copy is written, so the next copy goes into
+    the same buffers: no allocation, no page faults, no pinning).
 
     CUDA tensors are copied into pinned buffers without blocking, then synchronised once; a tensor that appears
     twice (tied weights) is copied once. Containers are rebuilt; other leaves are deep-copied.
     """
     copies: dict[int, torch.Tensor] = {}
+    buffers: list[torch.Tensor] = []
+    spare = list(reuse or [])
     devices: set[torch.device] = set()
 
     def visit(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             key = id(value)
             if key not in copies:
-                copies[key] = _host_copy(value.detach(), devices)
+                index = len(buffers)
+                target = spare[index] if index < len(spare) else None
+                copies[key] = _host_copy(value.detach(), devices, target)
+                buffers.append(copies[key])
             return copies[key]
         if isinstance(value, dict):
-            return type(value)((k, visit(v)) for k, v in value.items()) if type(value) is not dict \
-                else {k: visit(v) for k, v in value.items()}
+            items = ((k, visit(v)) for k, v in value.items())
+            return dict(items) if type(value) is dict else type(value)(items)
         if isinstance(value, list):
             return [visit(v) for v in value]
         if isinstance(value, tuple):
@@ -66,26 +75,53 @@ def snapshot_to_host(state: Any) -> Any:
     out = visit(state)
     for device in devices:  # the non-blocking copies into pinned memory are complete after this
         torch.cuda.synchronize(device)
-    return out
+    return out, buffers
 
 
-def _host_copy(tensor: torch.Tensor, devices: set[torch.device]) -> torch.Tensor:
-    if tensor.device.type == "cpu":
-        return tensor.clone()
+def _layout(state: Any) -> list[tuple[torch.Size, torch.dtype, bool]]:
+    """(shape, dtype, pinned) of each distinct tensor of `state`, in :func:`snapshot_to_host`'s order."""
+    seen: set[int] = set()
+    layout = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in seen:
+                seen.add(id(value))
+                layout.append((value.shape, value.dtype, value.device.type == "cuda"))
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(state)
+    return layout
+
+
+def _host_copy(tensor: torch.Tensor, devices: set[torch.device], target: torch.Tensor | None) -> torch.Tensor:
+    fits = (target is not None and target.shape == tensor.shape and target.dtype == tensor.dtype
+            and target.is_pinned() == (tensor.device.type == "cuda"))
     if tensor.device.type == "cuda":
         devices.add(tensor.device)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        host = target if fits else torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
         return host.copy_(tensor, non_blocking=True)
-    return tensor.to("cpu", copy=True)  # other devices: a blocking copy
+    if fits:
+        return target.copy_(tensor)
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu", copy=True)
 
 
 class AsyncCheckpointer:
     """Writes checkpoints in one background thread, at most one in flight (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer_niceness: int = 10) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: Path | None = None
+        self._buffers: list[torch.Tensor] = []  # the last copy's tensors, reused once it is written
+        self._writer_tid: int | None = None
+        self.writer_niceness = writer_niceness  # the writer thread yields the CPU to training (Linux: per thread)
+        self.last_wait_s = 0.0  # how long the last save waited for the one before it
         self.last_copy_s = 0.0  # the part of the last save the step waited for
         self.last_write_s = 0.0  # the part that ran in the background
 
@@ -93,9 +129,13 @@ class AsyncCheckpointer:
              meta: dict[str, Any] | None = None, staged: Path | None = None) -> Path:
         """Copy `state` to host memory, start writing it, return the checkpoint's final path (complete once the
         write ends). Waits for the previous save first, and raises its error if it failed."""
-        self.wait()
         start = time.perf_counter()
-        host_state = snapshot_to_host(state)
+        if self.in_flight:  # the step now waits for the write: let it have the CPU back
+            _set_thread_niceness(self._writer_tid, 0)
+        self.wait()
+        self.last_wait_s = time.perf_counter() - start
+        start = time.perf_counter()
+        host_state, self._buffers = snapshot_to_host(state, reuse=self._buffers)
         self.last_copy_s = time.perf_counter() - start
         path = Path(directory) / checkpoint_name(step)
         self._path, self._error = path, None
@@ -107,6 +147,8 @@ class AsyncCheckpointer:
     def _write(self, directory: str | Path, step: int, state: dict[str, Any], keep_last: int,
                meta: dict[str, Any] | None, staged: Path | None) -> None:
         start = time.perf_counter()
+        self._writer_tid = threading.get_native_id()
+        _set_thread_niceness(self._writer_tid, self.writer_niceness)
         try:
             save_checkpoint(directory, step, state, keep_last, meta=meta, staged=staged)
         except BaseException as exc:  # reported on the training thread: poll / wait / the next save
@@ -142,6 +184,36 @@ class AsyncCheckpointer:
     # ---- as a trainer callback --------------------------------------------------------------------------------
     def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
         self.poll()
+        # FSDP2 gathers its state with a collective: never from one rank's callback.
+        if (not self._buffers and not self.in_flight and trainer.is_main_process and trainer.spec.save.every_steps
+                and trainer.backend.name != "fsdp"):
+            self.prepare_buffers(trainer.state_dict())
+
+    def prepare_buffers(self, state: dict[str, Any]) -> None:
+        """Allocate (and touch) the host buffers for copies of `state` in a background thread, so the first save
+        costs the step a copy, not an allocation with its page faults (4x the copy for 200 MB, measured)."""
+        layout = _layout(state)  # on this thread: shapes and dtypes only, no data
+
+        def allocate() -> None:
+            _set_thread_niceness(threading.get_native_id(), self.writer_niceness)
+            self._buffers = [torch.zeros(shape, dtype=dtype, pin_memory=pinned) for shape, dtype, pinned in layout]
+
+        self._thread, self._path = threading.Thread(target=allocate, name="vlmfast-checkpoint-buffers"), None
+        self._thread.start()
 
     def on_fit_end(self, trainer: Any, result: Any) -> None:
         self.wait()
+
+
+_BASE_NICENESS = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+
+
+def _set_thread_niceness(tid: int | None, niceness: int) -> None:
+    """Set a thread's CPU priority relative to the process's: on Linux a thread is a task with its own nice value,
+    so the write, the hashing and the pickling yield to the training thread. Raising it back (when the step waits
+    for the write) needs CAP_SYS_NICE or RLIMIT_NICE; where the kernel refuses, the writer stays lowered."""
+    if tid is None or not hasattr(os, "setpriority"):
+        return
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, _BASE_NICENESS + niceness))
+

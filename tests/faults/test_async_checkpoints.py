@@ -20,12 +20,15 @@ def test_the_snapshot_shares_nothing_with_the_live_state_and_keeps_ties():
     weight = torch.ones(4)
     state = {"model": {"embed": weight, "head": weight}, "optimizer": {"state": {0: {"exp_avg": torch.zeros(4)}}},
              "rng": {"python": (3, [1, 2]), "seed": 7}, "trainer": {"step": 2}}
-    snap = snapshot_to_host(state)
+    snap, buffers = snapshot_to_host(state)
     weight.add_(1)  # the optimizer updates the live tensors in place after the step
     state["optimizer"]["state"][0]["exp_avg"].add_(5)
     assert torch.equal(snap["model"]["embed"], torch.ones(4)) and snap["model"]["embed"] is snap["model"]["head"]
     assert torch.equal(snap["optimizer"]["state"][0]["exp_avg"], torch.zeros(4))
     assert snap["rng"] == {"python": (3, [1, 2]), "seed": 7} and snap["trainer"] == {"step": 2}
+    again, reused = snapshot_to_host(state, reuse=buffers)  # the next save copies into the same buffers
+    assert all(a is b for a, b in zip(reused, buffers, strict=True)) and len(buffers) == 2
+    assert torch.equal(again["model"]["head"], torch.full((4,), 2.0))
 
 
 class SlowSave:
@@ -94,6 +97,18 @@ def test_async_training_saves_the_same_checkpoints_and_resumes_exactly(tmp_path)
     _, resumed = train(make_spec(max_steps=8, save={"dir": str(tmp_path / "async"), "resume":
                                                     str(tmp_path / "async" / "step_00000004"), "async": True}))
     assert losses(resumed) == losses(full)[4:]
+
+
+def test_the_first_save_copies_into_buffers_prepared_in_the_background(tmp_path, monkeypatch):
+    from vlmfast import checkpoint_async
+
+    fresh = []
+    real = checkpoint_async._host_copy
+    monkeypatch.setattr(checkpoint_async, "_host_copy",
+                        lambda tensor, devices, target: fresh.append(target is None) or real(tensor, devices, target))
+    train(make_spec(max_steps=4, save={"dir": str(tmp_path), "every_steps": 3, "async": True}))
+    assert fresh and not any(fresh)  # every tensor of the first save went into a prepared buffer
+    verify_checkpoint(tmp_path / "step_00000003")
 
 
 def test_the_end_of_the_run_waits_for_the_last_save(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ def _load(tmp_path, text: str | bytes, name: str = "run.yaml") -> TrainSpec:
     ("optimizer:\n  lr: 0.1\nbatch_size: 8\noptimizer:\n  name: sgd\n", "optimizer", (1, 4)),
     ("optimizer:\n  lr: 0.1\n  name: sgd\n  lr: 0.2\n", "lr", (2, 4)),
     ("save:\n  dir: a\nlog:\n  dir: b\n  every_steps: 2\n  dir: c\n", "dir", (4, 6)),
-])
+], ids=["section", "field", "nested"])
 def test_duplicate_yaml_keys_are_refused_naming_the_key_and_lines(tmp_path, text, key, lines):
     with pytest.raises(SpecError, match=rf"run.yaml: key '{key}' appears twice in one mapping \(lines {lines[0]} and "
                        rf"{lines[1]}\).*merge them"):
@@ -44,7 +44,7 @@ def test_duplicate_json_keys_are_refused_and_yaml_merge_keys_still_work(tmp_path
     assert (spec.optimizer.lr, spec.optimizer.weight_decay) == (0.2, 0.01)
 
 
-@pytest.mark.parametrize(("text", "field", "message"), [
+NUMBERS = [
     ("batch_size: true\n", "batch_size", "expected a number, got the boolean true"),
     ("grad_clip: yes\n", "grad_clip", "expected a number, got the boolean true"),
     ("data:\n  num_workers: on\n", "data.num_workers", "expected a number, got the boolean true"),
@@ -60,7 +60,11 @@ def test_duplicate_json_keys_are_refused_and_yaml_merge_keys_still_work(tmp_path
     ("seed: -1\n", "seed", "Input should be greater than or equal to 0"),
     ("max_steps: 100000000000000000000\n", "max_steps", "100000000000000000000 is out of range: at most 2\\*\\*63"),
     ("ddp:\n  timeout_minutes: 1e300\n", "ddp.timeout_minutes", "Input should be less than or equal to 1000000"),
-])
+]
+
+
+@pytest.mark.parametrize(("text", "field", "message"), NUMBERS,
+                         ids=[f"{i}-{field}" for i, (_, field, _) in enumerate(NUMBERS)])
 def test_wrong_numbers_are_refused_naming_the_field_and_the_file(tmp_path, text, field, message):
     with pytest.raises(SpecError, match=rf"(?s)run.yaml: invalid spec\n  {field}: {message}"):
         _load(tmp_path, text)

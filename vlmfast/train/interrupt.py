@@ -40,6 +40,10 @@ def worker_ignores_stop_signals(worker_id: int, init: Callable[[int], None] | No
     worker at once; other senders are ignored. A worker also exits when the main process is gone (torch's watchdog).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # macOS, Windows: torch's own SIGTERM handling stays
+        if init is not None:
+            init(worker_id)
+        return
     senders = {os.getppid(), main_pid or os.getppid()}
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started from here on inherit the mask
 
@@ -60,6 +64,9 @@ def stop_signals_blocked() -> Iterator[None]:
     Around the start of DataLoader workers: a worker inherits the mask of the thread that forks it, so a signal
     that reaches it before :func:`worker_ignores_stop_signals` runs stays pending instead of killing it.
     """
+    if not hasattr(signal, "sigwaitinfo"):  # no sigwaitinfo in the workers to take a pending signal: leave it
+        yield
+        return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
