@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TinyCausalLM, assert_gradients_close, tiny_llama, token_batch
+from conftest import TinyCausalLM, TokenDataset, assert_gradients_close, tiny_llama, token_batch
 
 from vlmfast.strategies.accumulation import (
     accumulate_gradients,
@@ -170,3 +170,30 @@ def test_the_tolerance_is_norm_relative_so_float_noise_in_a_zero_gradient_passes
     wrong = {"weight": torch.ones(64) * (1 + 1e-3), "key_bias": torch.zeros(8)}
     with pytest.raises(AssertionError):
         assert_grads_close(wrong, expected)
+
+
+@pytest.mark.parametrize("collate, oom_above", [(None, None), (torch.utils.data.default_collate, 3)],
+                         ids=["sliced-from-whole", "recollated-after-oom"])
+def test_a_step_under_device_prefetch_applies_the_full_batch_gradient(collate, oom_above):
+    """Under data.device_prefetch the micro-batches reach the step on the device and their loss tokens are counted on
+    their host copies (also those collated again after an OOM resize): the weighting stays exact. One SGD step of lr 1
+    in float64 moves the weights by exactly the full-batch gradient of the 8 first samples (3 + 3 + 2 samples of
+    different lengths; after the OOM, 2 + 2 + 2 + 2)."""
+    from vlmfast import OptimizedTrainer, TrainSpec
+    from vlmfast.testing import simulated_oom
+
+    torch.manual_seed(0)
+    model = TinyCausalLM().double()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data = TokenDataset(16)
+    expected, _ = full_batch_gradient(copy.deepcopy(model), {k: v[:8] for k, v in data.batch.items()})
+    spec = TrainSpec(max_steps=1, batch_size=8, micro_batch_size=4 if oom_above else 3, seed=0,
+                     optimizer={"name": "sgd", "lr": 1.0}, oom={"enabled": bool(oom_above)},
+                     data={"device_prefetch": True, "shuffle": False}, log={"progress": "off"})
+    with simulated_oom(oom_above) if oom_above else simulated_oom(10**6) as oom:
+        trainer = OptimizedTrainer(model, data, spec, collate_fn=collate)
+        trainer.fit()
+    assert oom.count == (1 if oom_above else 0) and trainer.state.accumulation_steps == (4 if oom_above else 3)
+    actual = {n: start[n] - p.detach() for n, p in model.named_parameters()}
+    assert_grads_close(actual, expected, rtol=1e-10)
+

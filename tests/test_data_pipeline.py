@@ -109,6 +109,18 @@ def test_prefetch_runs_one_batch_ahead_and_checkpoints_the_consumed_position():
     assert device_batches(source, DataSpec(), torch.device("cpu")) is source  # off by default: no wrapper
 
 
+def test_prefetch_keeps_the_host_batch_of_the_batch_handed_out_for_counting():
+    from vlmfast.data.prefetch import host_batch
+
+    hosts = [{"x": torch.arange(3) + i} for i in range(3)]
+    batches = DevicePrefetcher(iter(hosts), "cpu", background=False, depth=1)
+    first = next(batches)
+    assert first is not hosts[0] and host_batch(batches, first) is hosts[0]  # the copy's host original
+    second = next(batches)
+    assert host_batch(batches, second) is hosts[1] and host_batch(batches, first) is first  # the last one only
+    assert host_batch(iter(hosts), hosts[2]) is hosts[2]  # no prefetcher: the batch is on the host already
+
+
 class RecordingSource:
     """Yields numbered batches and records which thread asked for each."""
 
@@ -154,7 +166,7 @@ def test_prefetch_copies_on_a_side_stream_from_pinned_memory():
     batch = next(batches)
     assert batches.stream is not None and batch["input_ids"].is_cuda
     assert torch.equal(batch["input_ids"].cpu(), host)
-    pending, _ = batches._collect()
+    pending = batches._collect()[0]
     assert pending["input_ids"].is_cuda  # the next batch was already sent
 
 

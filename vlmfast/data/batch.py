@@ -50,10 +50,27 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) 
     return send_to_device(batch, device, non_blocking=non_blocking)
 
 
-def count_input_tokens(batch: Any) -> int:
-    """Real input tokens of a host batch: the attention mask's sum, else input_ids' size, else 0."""
+def host_micro_batches(batch: Any, micro_batch_size: int, layout: BatchLayout | None = None,
+                       host: Any = None) -> list[Any] | None:
+    """:func:`split_batch`'s micro-batches of ``batch`` as host copies, in the same order, or None when ``batch`` is
+    itself on the host (or its host copy was not kept). Counting tokens on them reads no device value.
+
+    A SampleBatch keeps its host micro-batches when moved (also those collated again after an OOM resize); any
+    other batch needs ``host``, the host batch it was copied from (``DevicePrefetcher.host_batch(batch)``), which is
+    split by the same rules. Usage: ``host_micro_batches(batch, 4, host=prefetcher.host_batch(batch))``
+    """
     if isinstance(batch, SampleBatch):
-        return sum(count_input_tokens(mb) for mb in batch.micro_batches)
+        return batch.host_micro_batches_at(micro_batch_size)
+    if host is None or host is batch:
+        return None
+    return split_micro_batches(host, micro_batch_size, layout)
+
+
+def count_input_tokens(batch: Any) -> int:
+    """Real input tokens of a host batch: the attention mask's sum, else input_ids' size, else 0 (a SampleBatch's
+    host micro-batches are counted, so a moved one is counted without a device read)."""
+    if isinstance(batch, SampleBatch):
+        return sum(count_input_tokens(mb) for mb in batch.host_micro_batches)
     if not isinstance(batch, Mapping):
         return 0
     mask = batch.get("attention_mask")

@@ -47,8 +47,10 @@ class SampleBatch:
 
     Built in the loader workers by :class:`SampleCollate`; the loader attaches the collate function (not pickled
     with every batch) and a callback for a changed size. ``to`` / ``map`` act on the collated micro-batches and are
-    remembered, so micro-batches collated again later get the same device copy and transforms. With ``whole`` (the
-    batch collated at once by torch's default_collate, which only stacks) micro-batches of any size are slices of it.
+    remembered, so micro-batches collated again later get the same device copy and transforms. The host micro-batches
+    (as collated, before ``to`` / ``map``) are kept too: :meth:`host_micro_batches_at` counts tokens on them, so the
+    loop never reads the device copy to weight micro-batches (device prefetch). With ``whole`` (the batch collated at
+    once by torch's default_collate, which only stacks) micro-batches of any size are slices of it.
 
     The samples cross the worker queue as one bytes object and are unpacked only if a micro-batch is collated again
     (after the OOM fallback): shared-memory tensors cost a round trip each, and samples are rarely needed.
@@ -62,6 +64,7 @@ class SampleBatch:
         self._length = len(self._samples) if self._samples is not None else int(length or 0)
         self.whole = whole
         self.micro_batches = [whole] if whole is not None else micro_batches  # the collated tensors
+        self._host: list[Any] | None = None  # the same micro-batches on the host, once map / to replaced them
         self.micro_batch_size = micro_batch_size
         self.collate_fn = collate_fn
         self.on_resize: Callable[[int], None] | None = None  # the loader's: collate later batches at the new size
@@ -115,16 +118,30 @@ class SampleBatch:
         if size == min(self.micro_batch_size, self._length) and self.micro_batches:
             return list(self.micro_batches)
         collate = self.collate_fn or default_collate
+        host = [collate(chunk) for chunk in _chunks(self.samples, size)]
         fresh = []
-        for chunk in _chunks(self.samples, size):
-            micro_batch = collate(chunk)
+        for micro_batch in host:
             for step in self._steps:
                 micro_batch = step(micro_batch)
             fresh.append(micro_batch)
         self.micro_batches, self.micro_batch_size = fresh, micro_batch_size
+        self._host = host if self._steps else None
         if self.on_resize is not None:
             self.on_resize(micro_batch_size)
         return list(fresh)
+
+    @property
+    def host_micro_batches(self) -> list[Any]:
+        """The collated micro-batches as they are on the host (``micro_batches`` until ``to`` / ``map``)."""
+        return list(self._host if self._host is not None else self.micro_batches)
+
+    def host_micro_batches_at(self, micro_batch_size: int) -> list[Any]:
+        """:meth:`micro_batches_at`'s micro-batches as collated on the host, in the same order: what to count
+        tokens on without a device read once ``to`` moved them. Usage: ``batch.host_micro_batches_at(3)``"""
+        if self.whole is not None:
+            return split_collated(self.host_micro_batches[0], micro_batch_size)
+        self.micro_batches_at(micro_batch_size)  # collated again (host and device) if the size changed
+        return self.host_micro_batches
 
     def first(self, samples: int) -> Any:
         """The first ``samples`` samples collated as one micro-batch, leaving this batch as it is (probes)."""
@@ -134,6 +151,8 @@ class SampleBatch:
 
     def map(self, fn: Callable[[Any], Any]) -> SampleBatch:
         """Apply ``fn`` to every collated micro-batch (now, and to those collated again later)."""
+        if self._host is None:
+            self._host = list(self.micro_batches)  # kept for counting: see host_micro_batches_at
         self.micro_batches = [fn(mb) for mb in self.micro_batches]
         if self.whole is not None:
             self.whole = self.micro_batches[0]

@@ -7,6 +7,10 @@ the batches loaded after it, which are already queued on the side stream), and e
 with ``record_stream`` so the caching allocator does not reuse its memory while the compute stream still reads it
 (torch.Tensor.record_stream docs: memory allocated on one stream and used on another). On CPU there is no stream.
 
+The host batch a device batch was copied from is kept until the next one is handed out (``host_batch(batch)``):
+the trainer counts tokens on it, so weighting micro-batches never reads the device (a SampleBatch keeps its own host
+micro-batches). That keeps each host batch alive one step longer; it holds the same tensors the loader produced.
+
 The next batch is loaded by one background thread, so collation (or receiving a batch from DataLoader workers,
 which costs a round trip per tensor) leaves the step's critical path; PIL decoding and torch ops release the GIL,
 so on CPU the thread overlaps the step too. The resume position stays exact: ``state_dict()`` is the source's
@@ -63,8 +67,9 @@ class DevicePrefetcher:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vlmfast-prefetch") if prefetch and background \
             else None
         self.depth = depth if prefetch else 0  # batches loaded ahead: more than one absorbs jitter in load times
-        self._pending: deque[Future | tuple[Any, Any, Any]] = deque()
+        self._pending: deque[Future | tuple[Any, Any, Any, Any]] = deque()
         self._state: dict[str, Any] | None = None  # the source's position after the batches handed out
+        self._handed_out: tuple[Any, Any] = (None, None)  # the last batch handed out and its host original
         self._warned_unpinned = False
 
     def __iter__(self) -> DevicePrefetcher:
@@ -77,7 +82,7 @@ class DevicePrefetcher:
         return getattr(self.source, name)
 
     def __next__(self) -> Any:
-        batch, state, copied = self._collect() if self._pending else self._load()
+        batch, state, copied, host = self._collect() if self._pending else self._load()
         if batch is _EXHAUSTED:
             raise StopIteration
         if copied is not None:
@@ -85,29 +90,39 @@ class DevicePrefetcher:
             compute.wait_event(copied)  # this batch's copies only, not the next batches' queued behind them
             self._used_on(batch, compute)
         self._state = state
+        self._handed_out = (batch, host)
         while len(self._pending) < self.depth:  # in flight while the caller computes on `batch`
             self._pending.append(self._executor.submit(self._load) if self._executor is not None else self._load())
         return batch
 
-    def _collect(self) -> tuple[Any, Any, Any]:
+    def host_batch(self, batch: Any) -> Any:
+        """The host batch that `batch` (the one handed out last) was copied from, else `batch` itself: count tokens
+        there, not on the device copy (a read of a device value waits for the GPU). A SampleBatch is its own: it
+        keeps its host micro-batches. Usage: ``count_input_tokens(prefetcher.host_batch(batch))``"""
+        handed_out, host = self._handed_out
+        return host if handed_out is batch and host is not None else batch
+
+    def _collect(self) -> tuple[Any, Any, Any, Any]:
         pending = self._pending.popleft()
         return pending.result() if isinstance(pending, Future) else pending
 
-    def _load(self) -> tuple[Any, dict[str, Any] | None, Any]:
-        """(device batch, source position after it, the side-stream event its copies complete at, or None)."""
+    def _load(self) -> tuple[Any, dict[str, Any] | None, Any, Any]:
+        """(device batch, source position after it, the side-stream event its copies complete at or None, the host
+        batch it was copied from: None for a SampleBatch, which is moved in place and keeps its host micro-batches)."""
         try:
             host_batch = next(self.source)
         except StopIteration:
-            return _EXHAUSTED, None, None
+            return _EXHAUSTED, None, None, None
         state = self._source_state()  # read here: the main thread never touches the source while a load runs
         self._check_pinned(host_batch)
+        host = None if isinstance(host_batch, SampleBatch) else host_batch
         if self.stream is None:
-            return self._to_device(host_batch), state, None
+            return self._to_device(host_batch), state, None, host
         with torch.cuda.stream(self.stream):
             batch = self._to_device(host_batch)
             copied = torch.cuda.Event()
             copied.record(self.stream)
-        return batch, state, copied
+        return batch, state, copied, host
 
     @staticmethod
     def _used_on(batch: Any, stream: Any) -> None:
@@ -162,6 +177,7 @@ class DevicePrefetcher:
             self._collect()  # let the loads in flight finish before the source moves
         self.source.load_state_dict(state)  # type: ignore[attr-defined]
         self._state = None
+        self._handed_out = (None, None)
 
 
 def device_batches(loader: Iterator[Any], spec: DataSpec, device: torch.device) -> Any:
@@ -174,3 +190,11 @@ def device_batches(loader: Iterator[Any], spec: DataSpec, device: torch.device) 
 
         transform = BatchImagePreprocessor(spec.device_image_size, spec.image_mean, spec.image_std, spec.image_key)
     return DevicePrefetcher(loader, device, transform=transform, prefetch=True)
+
+
+def host_batch(source: Any, batch: Any) -> Any:
+    """The host batch `batch` was copied from when `source` is a DevicePrefetcher that handed it out, else `batch`.
+
+    Usage: ``tokens = count_input_tokens(host_batch(trainer.loader, batch))``  # no device read under prefetch
+    """
+    return source.host_batch(batch) if isinstance(source, DevicePrefetcher) else batch

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmfast.data.batch import batch_size_of, move_to_device
+from vlmfast.data.batch import batch_size_of, host_micro_batches, move_to_device
 from vlmfast.data.batch_layout import BatchLayout
 from vlmfast.data.micro_batches import split_micro_batches
 from vlmfast.engines.collectives import all_reduce_sum, sum_and_max, sum_loss_and_flags, world_size
@@ -166,15 +166,18 @@ class GradientAccumulation(Strategy):
         self.shift_labels = self.conventions.shifts_labels
         self.passes_num_items = loss_fn is None and self.conventions.honours_num_items
 
-    def plan(self, batch: Any, micro_batch_size: int | Any) -> AccumulationPlan:
+    def plan(self, batch: Any, micro_batch_size: int | Any, host: Any = None) -> AccumulationPlan:
         """Split `batch` and count its loss items (on the host, before it moves to the device); ranks agree on the
         total and on the number of micro-batches in one collective. `micro_batch_size` is a number of samples, or a
-        size object that splits the batch itself (`.split(batch)`: vlmfast.strategies.token_budget.TokenBudget)."""
+        size object that splits the batch itself (`.split(batch)`: vlmfast.strategies.token_budget.TokenBudget).
+        A batch already on the device (device prefetch) is counted on its host copy: a SampleBatch's own, or `host`,
+        the batch it was copied from (:func:`vlmfast.data.batch.host_micro_batches`), so no device value is read."""
         splitter = getattr(micro_batch_size, "split", None)
         micro_batches = (splitter(batch) if splitter is not None  # samples, collated per micro-batch
                          else split_micro_batches(batch, micro_batch_size, self.layout))
         self._resolve_conventions(micro_batches[0])
-        token_counts = [self._count_tokens(mb) for mb in micro_batches]
+        counted = None if splitter is not None else host_micro_batches(batch, micro_batch_size, self.layout, host)
+        token_counts = [self._count_tokens(mb) for mb in counted or micro_batches]  # the same split, on the host
         countable = all(n is not None for n in token_counts)
         weighting = self.resolved_weighting = self._resolve_weighting(countable)
         items = token_counts if weighting == "tokens" else [batch_size_of(mb) for mb in micro_batches]

@@ -29,7 +29,7 @@ from vlmfast.checkpoint_async import AsyncCheckpointer
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
-from vlmfast.data.prefetch import device_batches
+from vlmfast.data.prefetch import device_batches, host_batch
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.engines import build_engine
 from vlmfast.engines.collectives import barrier, broadcast_object, gather_objects, sum_loss_and_flags
@@ -216,11 +216,12 @@ class OptimizedTrainer:
         self._fire("on_fit_end", result)
         return result
 
-    def train_step(self, batch: Any, micro_batch_size: int) -> tuple[torch.Tensor, AccumulationPlan]:
+    def train_step(self, batch: Any, micro_batch_size: int, host: Any = None) -> tuple[torch.Tensor, AccumulationPlan]:
         """Forward and backward of one per-rank batch in micro-batches of `micro_batch_size` samples; the gradients
         sum to the full-batch gradient (each micro-batch weighted by its share of the loss items). Returns this
-        rank's share of the loss (a device tensor) and the plan. The OOM fallback wraps this call."""
-        plan = self.accumulation.plan(batch, micro_batch_size)
+        rank's share of the loss (a device tensor) and the plan. The OOM fallback wraps this call. `host`: the host
+        batch a prefetched `batch` was copied from (loss tokens are counted there: no device read)."""
+        plan = self.accumulation.plan(batch, micro_batch_size, host=host)
         loss = torch.zeros((), device=self.device)
         for index, host_micro_batch in enumerate(plan.micro_batches):
             with self.timer.phase("h2d"):
@@ -262,7 +263,8 @@ class OptimizedTrainer:
 
     def _train_batch(self, batch: Any) -> dict[str, Any]:
         """One optimizer step on one per-rank batch; returns the step's metrics."""
-        loss, plan = self.micro_batching.run(lambda size: self.train_step(batch, size),
+        host = host_batch(self.loader, batch)  # device prefetch: tokens are counted on the host copy, not the GPU's
+        loss, plan = self.micro_batching.run(lambda size: self.train_step(batch, size, host=host),
                                              cleanup=self.engine.discard_gradients)
         with self.timer.phase("optimizer"):
             step = self.optimizer_step(loss, plan)
@@ -270,8 +272,8 @@ class OptimizedTrainer:
         self.state.skipped_steps += not step.applied
         self.state.micro_batch_size = self.micro_batching.micro_batch_size
         self.state.accumulation_steps = len(plan.micro_batches)
-        samples, tokens = packed_batch_counts(batch) if self.spec.packing.enabled else (
-            batch_size_of(batch), count_input_tokens(batch))  # packed rows hold several samples
+        samples, tokens = packed_batch_counts(host) if self.spec.packing.enabled else (
+            batch_size_of(batch), count_input_tokens(host))  # packed rows hold several samples
         self.state.samples_seen += samples * self.world_size
         self.state.tokens_seen += tokens * self.world_size
         return {"step": step.number, "loss": step.values["loss"], **step.metrics,
