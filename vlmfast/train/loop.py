@@ -29,6 +29,7 @@ from vlmfast.checkpoint_async import AsyncCheckpointer
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
+from vlmfast.data.packing_check import check_packing, probe_samples
 from vlmfast.data.prefetch import device_batches
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.engines import build_engine
@@ -109,6 +110,9 @@ class OptimizedTrainer:
             self.collate_fn = build_packing_collator(
                 spec.packing, self.engine.module, collate_fn, shift_labels=bool(self.accumulation.shift_labels),
                 ignore_index=spec.loss.ignore_index)
+            # Measured, not assumed: packed documents must give the padded batch's outputs (refused here if not)
+            check_packing(self.engine.module, probe_samples(train_data), self.collate_fn, loss_fn=loss_fn,
+                          device=self.device)
         # save.async: the step only waits for a host copy; the write runs in a thread (checkpoint_async.py)
         self.checkpointer = AsyncCheckpointer() if spec.save.async_ else None
         if self.checkpointer is not None:
