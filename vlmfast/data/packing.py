@@ -105,7 +105,7 @@ def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_va
                            f"collate_fn returned a {type(batch).__name__} (a model without a sequence cannot pack)")
     mask = batch.get("attention_mask")
     if not isinstance(mask, Tensor) or mask.dim() != 2 or not isinstance(batch.get("input_ids"), Tensor):
-        raise PackingError("packing a padded batch needs its 'input_ids' and 'attention_mask' [B, T] to find each "
+        raise PackingError("packing a padded batch needs its 'attention_mask' [B, T] (and 'input_ids') to find each "
                            f"sample's length; collate_fn returned the keys {sorted(batch)}")
     b, t = mask.shape
     lengths = mask.sum(-1)
@@ -122,7 +122,7 @@ def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_va
     try:
         parts = split_collated(batch, 1, layout) if b > 1 else [batch]
     except BatchSplitError as e:
-        raise PackingError(f"packing cannot tell which images belong to which sample: {e}") from None
+        raise PackingError(f"packing cannot split the batch into its samples: {e}") from None
     return [{k: _sample_value(k, v, kinds.get(k), int(n), t) for k, v in part.items()}
             for part, n in zip(parts, lengths.tolist(), strict=True)]
 
