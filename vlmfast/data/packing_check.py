@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,8 @@ from vlmfast.data.batch import move_to_device
 from vlmfast.data.packing import PackingCollator, PackingError
 
 __all__ = ["check_packing", "probe_samples"]
+
+logger = logging.getLogger(__name__)
 
 PROBE_SAMPLES = 4
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}  # fp32 differences measured: ~2e-7 of the largest logit
@@ -40,6 +43,10 @@ def probe_samples(data: Any, count: int = PROBE_SAMPLES) -> list[Any]:
         return []
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         return [data[i] for i in range(min(count, len(data)))]
+    if iter(data) is data:  # a one-shot iterator: probing would take samples away from training
+        logger.warning("packing: not verified on this model (the training data is a one-shot iterator, so no sample "
+                       "can be spared for the check); pass a Dataset to have packing checked before training")
+        return []
     samples = []
     for sample in data:
         samples.append(sample)
