@@ -123,8 +123,20 @@ def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_va
         parts = split_collated(batch, 1, layout) if b > 1 else [batch]
     except BatchSplitError as e:
         raise PackingError(f"packing cannot split the batch into its samples: {e}") from None
-    return [{k: _sample_value(k, v, kinds.get(k), int(n), t) for k, v in part.items()}
+    docs = [{k: _sample_value(k, v, kinds.get(k), int(n), t) for k, v in part.items()}
             for part, n in zip(parts, lengths.tolist(), strict=True)]
+    return [_without_padding_slots(doc, [k for k, kind in kinds.items() if kind == "slots"]) for doc in docs]
+
+
+def _without_padding_slots(doc: Document, keys: list[str]) -> Document:
+    """A document's image slots without the batch's padding (trailing slots that are zero in every slot key: no
+    pixel, no mask), so a packed row holds its documents' images, not every sample's share of the batch maximum."""
+    keys = [k for k in keys if k in doc]
+    if not keys:
+        return doc
+    used = torch.stack([doc[k].flatten(1).ne(0).any(1) for k in keys]).any(0)
+    keep = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
+    return {k: (v[:keep] if k in keys else v) for k, v in doc.items()}
 
 
 def _sample_value(key: str, value: Tensor, kind: str | None, n: int, t: int) -> Tensor:
