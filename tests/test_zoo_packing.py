@@ -133,3 +133,22 @@ def test_the_probe_catches_wrong_positions():
     assert check_packing(case.model, case.samples[:4], collate) < 1e-5
     with pytest.raises(ValueError, match="packing is not exact"):
         check_packing(case.model, case.samples[:4], PackingCollator(**{**collate.__dict__, "position_ids_fn": None}))
+
+
+@pytest.mark.parametrize("name", ["paligemma", "llava"])
+def test_the_doctor_offers_packing_only_to_models_that_pack(name):
+    """`vlmfast doctor` checks its advice: padding-heavy PaliGemma is told to group by length, LLaVA to pack."""
+    from vlmfast.profiling.doctor import Evidence, diagnose, packing_refusal
+
+    case = build_case(name)
+    plain = spec().model_copy(update={"packing": spec().packing.model_copy(update={"enabled": False})})
+    trainer = OptimizedTrainer(copy.deepcopy(case.model), case.samples[:N], plain, collate_fn=case.collate_fn)
+    refusal = packing_refusal(trainer)
+    assert (refusal is not None) == (name in REFUSED)
+    evidence = Evidence([{"perf/step_time": 1.0, "perf/forward": 0.4, "perf/backward": 0.5}], plain,
+                        padding_fraction=0.5, packing_refused=refusal)
+    padding = next(f for f in diagnose(evidence) if f.key == "padding")
+    if refusal:
+        assert padding.change == {"data.group_by_length": "length"} and "packing is refused" in padding.advice
+    else:
+        assert padding.change == {"packing.enabled": True}

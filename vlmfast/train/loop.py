@@ -81,6 +81,7 @@ class OptimizedTrainer:
         seed_everything(spec.seed + self.rank)  # DDP syncs weights from rank 0; dropout should differ
         self.callbacks = list(callbacks)
         self.collate_fn, self.eval_data = collate_fn, eval_data
+        self.train_data = train_data  # as given (the doctor probes a few samples of it)
         self.should_stop = False  # a callback may set it; the run ends after the current step
         self._interrupt: str | None = None  # a signal received here (set by fit)
         self._stop_agreed = False  # under several ranks: some rank wants to stop (agreed in the step's all-reduce)
