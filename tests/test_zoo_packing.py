@@ -152,3 +152,11 @@ def test_the_doctor_offers_packing_only_to_models_that_pack(name):
         assert padding.change == {"data.group_by_length": "length"} and "packing is refused" in padding.advice
     else:
         assert padding.change == {"packing.enabled": True}
+
+
+def test_a_layout_the_model_cannot_take_is_refused_naming_packing():
+    """LLaVA takes its images flat; an explicit image_layout: per_row breaks its forward: refused at construction."""
+    case = build_case("llava")
+    with pytest.raises(ValueError, match=r"packing: LlavaForConditionalGeneration fails on packed rows.*image_layout"):
+        OptimizedTrainer(copy.deepcopy(case.model), case.samples[:N], spec(image_layout="per_row"),
+                         collate_fn=case.collate_fn)

@@ -66,7 +66,14 @@ def check_packing(model: nn.Module, samples: Sequence[Any], collate: PackingColl
     one_row = dataclasses.replace(collate, max_tokens=1 << 30, pad_to_max_tokens=False)
     packed = one_row.pack(list(samples))  # layouts packing cannot keep are refused here (PackingError)
     device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
-    outputs = _forward(model, [padded, packed.tensors], loss_fn, device)
+    outputs = _forward(model, [padded], loss_fn, device)
+    try:
+        outputs += _forward(model, [packed.tensors], loss_fn, device)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:  # the padded batch ran: packing broke it
+        raise PackingError(
+            f"packing: {type(model).__name__} fails on packed rows ({type(error).__name__}: {error}); the packed "
+            f"batch has {_shapes(packed.tensors)}. Check packing.image_layout (auto keeps the layout the model "
+            "takes) or set packing.enabled: false") from error
     error, what = _difference(outputs, padded, packed.rows[0], _placeholders(packed, collate, padded))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
@@ -90,6 +97,10 @@ def _forward(model: nn.Module, batches: list[Any], loss_fn: Callable[[nn.Module,
             return [loss_fn(model, b) if loss_fn else model(**b) for b in (move_to_device(x, device) for x in batches)]
     finally:
         model.train(was_training)
+
+
+def _shapes(batch: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items() if isinstance(v, Tensor))
 
 
 def _logits(output: Any) -> Tensor | None:
