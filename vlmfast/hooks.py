@@ -24,13 +24,16 @@ from vlmfast.data.images import BatchImagePreprocessor, preprocess_images
 from vlmfast.data.micro_batches import SampleBatch, split_micro_batches
 from vlmfast.data.mmap import MemmapTensorDataset, MemmapTokenDataset, write_tensors, write_token_sequences
 from vlmfast.data.packing import (
+    ModelPositions,
     PackingCollator,
+    PackingError,
     build_packing_collator,
     count_packed_tokens,
     pack_documents,
     packed_batch_counts,
     plan_rows,
 )
+from vlmfast.data.packing_check import check_packing
 from vlmfast.data.prefetch import DevicePrefetcher
 from vlmfast.data.samplers import LengthGroupedSampler, dataset_lengths, padding_waste
 from vlmfast.data.shards import ShardDataset, write_shards
@@ -110,8 +113,10 @@ __all__ = [
     "MemmapTensorDataset",
     "MemmapTokenDataset",
     "MixedPrecision",
+    "ModelPositions",
     "OOMFallback",
     "PackingCollator",
+    "PackingError",
     "PhaseTimer",
     "RunProfiler",
     "SampleBatch",
@@ -132,6 +137,7 @@ __all__ = [
     "build_scheduler",
     "cache_vision_features",
     "check_deterministic",
+    "check_packing",
     "checkpoint_call",
     "clip_gradients",
     "compile_model",

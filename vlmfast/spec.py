@@ -461,9 +461,10 @@ class PackingSpec(Section):
         None, ge=0, description="placeholder tokens per image for models that put image tokens before the text "
         "(default: the model's prepended_image_tokens, e.g. the built-in tiny VLM; else 0: they are in input_ids)"
     )
-    image_layout: Literal["per_row", "flat"] = Field(
-        "per_row", description="per_row: pixel_values [rows, K, ...] + images_per_row (splits into micro-batches); "
-        "flat: [images, ...] in row order (Hugging Face LLaVA; needs micro_batch_size = batch_size)"
+    image_layout: Literal["auto", "per_row", "flat"] = Field(
+        "auto", description="auto: the layout the collated batch has (what the model takes; images of all samples "
+        "stay in row order, per-sample slots become per-row slots); per_row: pixel_values [rows, K, ...] + "
+        "images_per_row; flat: [images, ...] in row order (needs micro_batch_size = batch_size)"
     )
     pad_to_max_tokens: bool = Field(False, description="pad every row to max_tokens (static shapes for compile)")
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BatchLayout", "BatchSplitError", "num_samples", "split_collated"]
+__all__ = ["BatchLayout", "BatchSplitError", "image_key_kinds", "num_samples", "split_collated"]
 
 ANCHOR_KEYS = ("input_ids", "attention_mask", "labels", "inputs_embeds", "token_type_ids")
 PER_SAMPLE_IMAGE_MARKERS = ("pixel_attention_mask", "aspect_ratio_ids", "aspect_ratio_mask", "images_per_row")
@@ -146,12 +146,45 @@ def _mapping_rules(batch: Mapping[str, Any], n: int, layout: BatchLayout) -> dic
     for key, value in batch.items():
         if key in rules:
             continue
-        if key == "position_ids" and isinstance(value, Tensor) and value.dim() == 3 and value.shape[1] == n \
-                and value.shape[0] != n:
+        if key == "position_ids" and _channels_first(value, n, batch.get("input_ids")):
             rules[key] = lambda a, b, v=value: v[:, a:b]  # mRoPE: [channels, samples, T]
         else:
             rules[key] = _generic_rule(value, n, f"'{key}'")
     return rules
+
+
+def _channels_first(value: Any, n: int, ids: Any) -> bool:
+    """mRoPE ``position_ids`` [channels, samples, T]: told from [samples, T, ...] by T, not by the channel count
+    (packed rows can number 3 or 4, as many as the channels)."""
+    if not (isinstance(value, Tensor) and value.dim() == 3 and value.shape[1] == n):
+        return False
+    if isinstance(ids, Tensor) and ids.dim() == 2:
+        return value.shape[2] == ids.shape[1] and not (value.shape[0] == n and value.shape[1] == ids.shape[1])
+    return value.shape[0] != n
+
+
+def image_key_kinds(batch: Mapping[str, Any], layout: BatchLayout | None = None) -> dict[str, str]:
+    """How each image / video key of a collated batch holds its items (what packing needs to rebuild rows):
+
+    - ``"items"``: one row per image (or per image patch, with ``image_grid_thw``) of all samples in order;
+    - ``"slots"``: ``[samples, slots, ...]``, each sample's images padded to the batch's most (Idefics3's
+      ``pixel_attention_mask``, Mllama's ``aspect_ratio_ids``, packing's ``images_per_row``);
+    - ``"sample"``: one image per sample ``[samples, ...]`` (an image not in ``input_ids``: vlmfast's tiny VLM).
+
+    Usage: ``image_key_kinds(batch, BatchLayout.from_model(model))``
+    """
+    layout = layout or BatchLayout()
+    n = num_samples(batch)
+    kinds = {k: "items" for k in VIDEO_KEYS if k in batch}
+    present = [k for k in IMAGE_KEYS if k in batch]
+    tokens = _token_mask(batch, layout.image_token_ids)
+    if any(k in batch for k in PER_SAMPLE_IMAGE_MARKERS):
+        kinds.update({k: "slots" for k in present})
+    elif "image_grid_thw" not in batch and "image_sizes" not in batch and _per_sample_pixels(batch, n, tokens):
+        kinds.update({k: "sample" for k in present})
+    else:
+        kinds.update({k: "items" for k in present})
+    return kinds
 
 
 def _token_mask(batch: Mapping[str, Any], token_ids: tuple[int, ...]) -> Tensor | None:

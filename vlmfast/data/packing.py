@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from vlmfast.attention.documents import is_mrope_position_ids
+from vlmfast.data.batch_layout import IMAGE_KEYS, BatchLayout, BatchSplitError, image_key_kinds, split_collated
 from vlmfast.utils import unwrap_model
 
 if TYPE_CHECKING:
@@ -39,8 +40,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IMAGE_PLACEHOLDER_ID",
+    "ModelPositions",
     "PackedBatch",
     "PackingCollator",
+    "PackingError",
     "build_packing_collator",
     "count_packed_tokens",
     "disable_kv_cache",
@@ -53,6 +56,17 @@ __all__ = [
 IMAGE_PLACEHOLDER_ID = -200  # same value as vlmfast.models.tiny_vlm.IMAGE_PLACEHOLDER_ID
 Algorithm = Literal["best_fit_decreasing", "first_fit_decreasing"]
 Document = dict[str, Tensor]  # token keys: [L] (mRoPE position_ids: [C, L]); image keys: [n_images, ...]
+
+
+_CROSS = ("packing cannot lay out batch key '{key}' {shape}: per-token values over another axis are "
+          "cross-attention from each token to its sample's images (Mllama's cross_attention_mask [B, T, images, "
+          "tiles]); in a packed row the documents' images share one cross-attention, and a text row with no image "
+          "attends to every image slot of its row, so documents would see each other's images; set "
+          "packing.enabled: false")
+
+
+class PackingError(ValueError):
+    """Packing cannot keep this batch or model exact; the message says why (and names ``packing``)."""
 
 
 def plan_rows(lengths: Sequence[int], max_tokens: int, algorithm: Algorithm = "best_fit_decreasing") -> list[list[int]]:
@@ -78,40 +92,75 @@ def plan_rows(lengths: Sequence[int], max_tokens: int, algorithm: Algorithm = "b
     return rows
 
 
-def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_values",)) -> list[Document]:
-    """Split a right-padded batch (``attention_mask`` [B, T]) back into one document per sample."""
+def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_values",),
+                layout: BatchLayout | None = None) -> list[Document]:
+    """Split a right-padded batch (``attention_mask`` [B, T]) back into one document per sample.
+
+    Images are split by the key-aware rules that split micro-batches (:func:`split_collated`, with the model's
+    image token ids in ``layout``): each document gets its own images ``[n, ...]`` (none for a text-only sample).
+    A key packing cannot lay out per document is refused, naming it (``packing: ...``).
+    """
+    if not isinstance(batch, Mapping):
+        raise PackingError(f"packing needs token sequences: a batch with 'input_ids' [B, T] and 'attention_mask'; "
+                           f"collate_fn returned a {type(batch).__name__} (a model without a sequence cannot pack)")
     mask = batch.get("attention_mask")
-    if not isinstance(mask, Tensor) or mask.dim() != 2:
-        raise ValueError("packing a padded batch needs its 'attention_mask' [B, T] to find each sample's length")
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or not isinstance(batch.get("input_ids"), Tensor):
+        raise PackingError("packing a padded batch needs its 'attention_mask' [B, T] (and 'input_ids') to find each "
+                           f"sample's length; collate_fn returned the keys {sorted(batch)}")
     b, t = mask.shape
     lengths = mask.sum(-1)
     if not torch.equal(mask.bool(), torch.arange(t)[None, :] < lengths[:, None]):
-        raise ValueError("packing needs right-padded samples (attention_mask 1...1 0...0); use padding_side='right'")
-    docs: list[Document] = [{} for _ in range(b)]
+        raise PackingError("packing needs right-padded samples (attention_mask 1...1 0...0); use padding_side='right'")
     for key, value in batch.items():
         if not isinstance(value, Tensor):
-            raise ValueError(f"packing cannot carry batch key '{key}' ({type(value).__name__}): drop it in collate_fn")
-        for i, doc in enumerate(docs):
-            doc[key] = _sample_slice(key, value, i, int(lengths[i]), b, t, image_keys)
-    return docs
+            raise PackingError(f"packing cannot carry batch key '{key}' ({type(value).__name__}): drop it in "
+                               "collate_fn")
+        if value.dim() > 2 and value.shape[:2] == (b, t) and key != "position_ids":
+            raise PackingError(_CROSS.format(key=key, shape=tuple(value.shape)))
+    kinds = {**image_key_kinds(batch, layout), **{k: "sample" for k in image_keys if k in batch
+                                                  and batch[k].shape[0] == b and k not in IMAGE_KEYS}}
+    try:
+        parts = split_collated(batch, 1, layout) if b > 1 else [batch]
+    except BatchSplitError as e:
+        raise PackingError(f"packing cannot split the batch into its samples: {e}") from None
+    docs = [{k: _sample_value(k, v, kinds.get(k), int(n), t) for k, v in part.items()}
+            for part, n in zip(parts, lengths.tolist(), strict=True)]
+    return [_without_padding_slots(doc, [k for k, kind in kinds.items() if kind == "slots"]) for doc in docs]
 
 
-def _sample_slice(key: str, value: Tensor, i: int, n: int, b: int, t: int, image_keys: Sequence[str]) -> Tensor:
-    if key in image_keys and value.shape[0] == b:
-        return value[i : i + 1]  # one image per sample
-    if key == "position_ids" and is_mrope_position_ids(value) and value.shape[1:] == (b, t):
-        return value[:, i, :n]
-    if value.dim() >= 2 and value.shape[:2] == (b, t):
-        return value[i, :n]
-    raise ValueError(f"packing cannot tell how batch key '{key}' of shape {tuple(value.shape)} splits into samples: "
-                     f"token keys are [B, T], image keys ({', '.join(image_keys)}) [B, ...]")
+def _without_padding_slots(doc: Document, keys: list[str]) -> Document:
+    """A document's image slots without the batch's padding (trailing slots that are zero in every slot key: no
+    pixel, no mask), so a packed row holds its documents' images, not every sample's share of the batch maximum."""
+    keys = [k for k in keys if k in doc]
+    if not keys:
+        return doc
+    used = torch.stack([doc[k].flatten(1).ne(0).any(1) for k in keys]).any(0)
+    keep = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
+    return {k: (v[:keep] if k in keys else v) for k, v in doc.items()}
+
+
+def _sample_value(key: str, value: Tensor, kind: str | None, n: int, t: int) -> Tensor:
+    """One sample's value (``value`` is the sample's slice of the batch) as a document holds it."""
+    if kind == "items":
+        return value  # [its images (or patches), ...]
+    if kind == "slots":
+        return value[0]  # [slots, ...]: its images, padded to the batch's most
+    if kind == "sample":
+        return value  # [1, ...]: its one image
+    if key == "position_ids" and value.dim() == 3 and value.shape[1:] == (1, t):
+        return value[:, 0, :n]  # mRoPE [channels, 1, T]
+    if value.dim() == 2 and value.shape == (1, t):
+        return value[0, :n]
+    raise PackingError(f"packing cannot lay out batch key '{key}' (one sample: {tuple(value.shape)}) in a packed "
+                       "row: a row keeps per-token keys [B, T] and per-image keys, not per-sample values (they would "
+                       "have to stay one per row); set packing.enabled: false")
 
 
 @dataclass
 class PackedBatch:
     """A packed batch and which input documents went into each row (``rows[r]`` = document indices)."""
 
-    tensors: dict[str, Tensor]
+    tensors: dict[str, Any]
     rows: list[list[int]]
     document_lengths: list[list[int]] = field(default_factory=list)  # tokens of each document, per row
 
@@ -123,13 +172,18 @@ def pack_documents(
     algorithm: Algorithm = "best_fit_decreasing",
     image_tokens: int = 0,
     image_keys: Sequence[str] = ("pixel_values",),
-    image_layout: Literal["per_row", "flat"] = "per_row",
+    image_layout: Literal["per_row", "flat"] | Mapping[str, str] = "per_row",
     shift_labels: bool = True,
     pad_id: int = 0,
     ignore_index: int = -100,
     pad_to_max_tokens: bool = False,
+    image_counts: bool = True,
 ) -> PackedBatch:
-    """Pack documents (dicts of ``input_ids`` [L], optional ``labels`` [L], images [n, ...]) into rows."""
+    """Pack documents (dicts of ``input_ids`` [L], optional ``labels`` [L], images [n, ...]) into rows.
+
+    ``image_layout`` per image key (or one for all): ``flat`` concatenates the rows' images in row order, ``per_row``
+    stacks them ``[rows, most images, ...]`` (zero padding) plus ``<key>_per_row`` counts when ``image_counts``.
+    """
     if not docs:
         raise ValueError("cannot pack an empty list of samples")
     docs = [_with_placeholders(d, image_tokens, image_keys, shift_labels, ignore_index) for d in docs]
@@ -139,7 +193,8 @@ def pack_documents(
     tensors = _pack_tokens(docs, rows, width, pad_id, ignore_index)
     for key in image_keys:
         if any(key in d for d in docs):
-            tensors.update(_pack_images(docs, rows, key, image_layout))
+            how = image_layout if isinstance(image_layout, str) else image_layout.get(key, "per_row")
+            tensors.update(_pack_images(docs, rows, key, how, image_counts))
     return PackedBatch(tensors, rows, [[lengths[i] for i in row] for row in rows])
 
 
@@ -148,7 +203,8 @@ def _with_placeholders(doc: Document, image_tokens: int, image_keys: Sequence[st
     """The document as the model sees it: image placeholders first (if any), first label ignored (if shifted)."""
     if "input_ids" not in doc:
         raise ValueError(f"a sample to pack needs 'input_ids'; it has {sorted(doc)}")
-    doc = {k: (v.unsqueeze(0) if k in image_keys and v.dim() == 3 else v) for k, v in doc.items()}  # one image
+    first_image = next((k for k in image_keys if k in doc), None)
+    doc = {k: (v.unsqueeze(0) if k == first_image and v.dim() == 3 else v) for k, v in doc.items()}  # one image
     doc.pop("attention_mask", None)  # see the module docstring
     for key, value in doc.items():
         if key not in image_keys and value.dim() != 1 and not (key == "position_ids" and value.shape[0] in (3, 4)):
@@ -156,7 +212,7 @@ def _with_placeholders(doc: Document, image_tokens: int, image_keys: Sequence[st
     if "labels" in doc and shift_labels:
         doc["labels"] = doc["labels"].clone()
         doc["labels"][:1] = ignore_index
-    n_images = sum(int(doc[k].shape[0]) for k in image_keys if k in doc)
+    n_images = int(doc[first_image].shape[0]) if first_image is not None else 0
     extra = image_tokens * n_images
     if extra:
         for key, value in list(doc.items()):
@@ -195,7 +251,8 @@ def _pack_tokens(docs: Sequence[Document], rows: list[list[int]], width: int, pa
     return out
 
 
-def _pack_images(docs: Sequence[Document], rows: list[list[int]], key: str, layout: str) -> dict[str, Tensor]:
+def _pack_images(docs: Sequence[Document], rows: list[list[int]], key: str, layout: str,
+                 counts_key: bool = True) -> dict[str, Tensor]:
     per_row = [[docs[i][key] for i in row if key in docs[i]] for row in rows]
     per_row = [torch.cat(images) if images else None for images in per_row]
     example = next(x for x in per_row if x is not None)
@@ -208,8 +265,36 @@ def _pack_images(docs: Sequence[Document], rows: list[list[int]], key: str, layo
     for r, images in enumerate(per_row):
         if images is not None:
             packed[r, : images.shape[0]] = images
+    if not counts_key:
+        return {key: packed}
     count_key = "images_per_row" if key == "pixel_values" else f"{key}_per_row"
     return {key: packed, count_key: counts}
+
+
+@dataclass
+class ModelPositions:
+    """The model's own multi-axis position ids of a padded batch: its ``get_rope_index`` (Hugging Face's mRoPE
+    models: Qwen2-VL, Qwen2.5-VL, ...), so every packed document keeps exactly the positions it has when padded.
+
+    Usage: ``PackingCollator(512, collate, position_ids_fn=ModelPositions(model.model))``
+    """
+
+    module: nn.Module
+
+    def __call__(self, batch: Mapping[str, Any]) -> Tensor:
+        rope_index = self.module.get_rope_index
+        wanted = inspect.signature(rope_index).parameters
+        with torch.no_grad():
+            out = rope_index(**{k: v for k, v in batch.items() if k in wanted})
+        return out[0] if isinstance(out, tuple) else out
+
+    @classmethod
+    def find(cls, model: nn.Module) -> ModelPositions | None:
+        """The first module of ``model`` with a ``get_rope_index`` method, else None (1-D positions suffice)."""
+        for module in unwrap_model(model).modules():
+            if callable(getattr(module, "get_rope_index", None)):
+                return cls(module)
+        return None
 
 
 @dataclass
@@ -218,6 +303,12 @@ class PackingCollator:
 
     Without ``collate_fn`` the samples must already be documents: dicts of ``input_ids`` [L], optional ``labels``
     [L] and images [n, ...]. A plain dataclass, so it pickles into DataLoader workers.
+
+    ``image_layout="auto"`` keeps the padded batch's own image layout (what the model takes): images of all samples
+    in order (LLaVA, LLaVA-NeXT, PaliGemma, Qwen2-VL's patches with ``image_grid_thw``) become the rows' images in
+    row order; per-sample slots (Idefics3) and one image per sample (the tiny VLM) become ``[rows, most images,
+    ...]`` (plus ``images_per_row`` when ``image_counts``). ``layout`` holds the model's image token ids, which tell
+    whose images are whose (:func:`vlmfast.data.batch_layout.image_key_kinds`).
     """
 
     max_tokens: int
@@ -225,7 +316,7 @@ class PackingCollator:
     algorithm: Algorithm = "best_fit_decreasing"
     image_tokens: int = 0
     image_keys: tuple[str, ...] = ("pixel_values",)
-    image_layout: Literal["per_row", "flat"] = "per_row"
+    image_layout: Literal["auto", "per_row", "flat"] = "auto"
     shift_labels: bool = True
     pad_id: int = 0
     ignore_index: int = -100
@@ -234,20 +325,38 @@ class PackingCollator:
     # them (the tiny VLM) never reads its document boundaries back from the GPU. A per-row list: micro-batch
     # splitting slices it with the rows.
     document_lengths: bool = False
+    layout: BatchLayout | None = None
+    position_ids_fn: Callable[[Mapping[str, Any]], Tensor] | None = None
+    image_counts: bool = True
 
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
+        return self.pack(samples).tensors
+
+    def pack(self, samples: list[Any]) -> PackedBatch:
+        """The packed batch with its rows (which samples went where); ``__call__`` returns its tensors."""
+        image_keys: tuple[str, ...] = self.image_keys
+        layout: Any = "per_row" if self.image_layout == "auto" else self.image_layout
         if self.collate_fn is not None:
-            docs = unpad_batch(self.collate_fn(samples), self.image_keys)
+            padded = self.collate_fn(samples)
+            if self.position_ids_fn is not None and isinstance(padded, Mapping) and "position_ids" not in padded \
+                    and isinstance(padded.get("input_ids"), Tensor):
+                padded = {**padded, "position_ids": self.position_ids_fn(padded)}
+            docs = unpad_batch(padded, self.image_keys, self.layout)
+            kinds = image_key_kinds(padded, self.layout)
+            image_keys = (*kinds, *(k for k in self.image_keys if k not in kinds))
+            if self.image_layout == "auto":
+                layout = {k: "flat" if kind == "items" else "per_row" for k, kind in kinds.items()}
         else:
             docs = [dict(s) for s in samples]
         packed = pack_documents(
             docs, self.max_tokens, algorithm=self.algorithm, image_tokens=self.image_tokens,
-            image_keys=self.image_keys, image_layout=self.image_layout, shift_labels=self.shift_labels,
+            image_keys=image_keys, image_layout=layout, shift_labels=self.shift_labels,
             pad_id=self.pad_id, ignore_index=self.ignore_index, pad_to_max_tokens=self.pad_to_max_tokens,
+            image_counts=self.image_counts,
         )
         if self.document_lengths:
-            return {**packed.tensors, "document_lengths": packed.document_lengths}
-        return packed.tensors
+            packed.tensors = {**packed.tensors, "document_lengths": packed.document_lengths}
+        return packed
 
 
 def build_packing_collator(
@@ -258,17 +367,19 @@ def build_packing_collator(
     shift_labels: bool = True,
     ignore_index: int = -100,
 ) -> PackingCollator:
-    """The collator for the ``packing`` spec section (and the model made ready for packed rows)."""
+    """The collator for the ``packing`` spec section (and the model made ready for packed rows): images keep the
+    layout the model takes, mRoPE models get their own position ids per document (:class:`ModelPositions`)."""
     disable_kv_cache(model)
     image_tokens = spec.image_tokens
     if image_tokens is None:
         image_tokens = int(getattr(unwrap_model(model), "prepended_image_tokens", 0))
-    forward = unwrap_model(model).forward
+    accepts = inspect.signature(unwrap_model(model).forward).parameters
     return PackingCollator(
         max_tokens=spec.max_tokens, collate_fn=collate_fn, algorithm=spec.algorithm, image_tokens=image_tokens,
         image_layout=spec.image_layout, shift_labels=shift_labels, pad_id=int(getattr(collate_fn, "pad_id", 0)),
         ignore_index=ignore_index, pad_to_max_tokens=spec.pad_to_max_tokens,
-        document_lengths="document_lengths" in inspect.signature(forward).parameters,
+        document_lengths="document_lengths" in accepts, layout=BatchLayout.from_model(model),
+        position_ids_fn=ModelPositions.find(model), image_counts="images_per_row" in accepts,
     )
 
 

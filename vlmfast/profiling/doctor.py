@@ -62,6 +62,7 @@ class Evidence:
     vocab_size: int | None = None  # rows of the language head: the logits are tokens x vocab
     tokens_per_micro_batch: float | None = None  # padded tokens a micro-batch holds now
     length_spread: float | None = None  # longest / median sample length in a few batches
+    packing_refused: str | None = None  # why packing would be refused for this model and data (None: it packs)
 
 
     @classmethod
@@ -276,11 +277,15 @@ def _padding(ev: Evidence) -> Finding | None:
     if padding is None or padding < PADDING_MIN:
         return None
     compute = ev.share("language_model_forward") * 3 or ev.share("forward") + ev.share("backward")
-    change = _first_valid(ev.spec, [{"packing.enabled": True}, {"data.group_by_length": "length"}])
+    # Checked advice only: packing is offered when the model packs exactly (collect_evidence measured it)
+    candidates = ([] if ev.packing_refused else [{"packing.enabled": True}]) + [{"data.group_by_length": "length"}]
+    change = _first_valid(ev.spec, candidates)
+    advice = ("packing concatenates short samples (document masks keep them apart); grouping by length "
+              "pads each batch only to its own longest sample")
+    if ev.packing_refused:
+        advice = f"grouping by length pads each batch only to its own longest sample ({ev.packing_refused})"
     return Finding("padding", "Compute spent on padding", padding * min(compute, 1.0),
-                   f"{padding:.0%} of language-model tokens are padding", change,
-                   "packing concatenates short samples (document masks keep them apart); grouping by length "
-                   "pads each batch only to its own longest sample")
+                   f"{padding:.0%} of language-model tokens are padding", change, advice)
 
 
 LENGTH_SPREAD_MIN = 4.0  # longest / median sample length from which fixed-size micro-batches waste the device
@@ -470,8 +475,28 @@ def collect_evidence(trainer: Any, result: Any) -> Evidence:
         bf16_supported=torch.cuda.is_bf16_supported() if cuda else True,
         vision_frozen=_vision_frozen(trainer.engine.module),
         vocab_size=int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
-        tokens_per_micro_batch=tokens, length_spread=spread,
+        tokens_per_micro_batch=tokens, length_spread=spread, packing_refused=packing_refusal(trainer),
     )
+
+
+def packing_refusal(trainer: Any) -> str | None:
+    """Why packing would be refused for the trainer's model and data (vlmfast.data.packing_check), None when it
+    packs exactly, is already on, or the data cannot spare samples for the check."""
+    from vlmfast.data.packing import PackingError, build_packing_collator
+    from vlmfast.data.packing_check import check_packing, probe_samples
+
+    spec = trainer.spec
+    if spec.packing.enabled or getattr(trainer, "train_data", None) is None:
+        return None
+    model = trainer.engine.module
+    try:
+        collate = build_packing_collator(spec.packing, model, trainer.collate_fn, shift_labels=bool(
+            trainer.accumulation.shift_labels), ignore_index=spec.loss.ignore_index)
+        check_packing(model, probe_samples(trainer.train_data), collate, loss_fn=trainer.accumulation.loss_fn,
+                      device=trainer.device)
+    except PackingError as error:
+        return f"packing is refused for this model: {str(error).split(';')[0]}"
+    return None
 
 
 def peek_lengths(loader: Any, micro_batch_size: int, batches: int = 4) -> tuple[float | None, float | None]:

@@ -29,6 +29,7 @@ from vlmfast.checkpoint_async import AsyncCheckpointer
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
+from vlmfast.data.packing_check import check_packing, probe_samples
 from vlmfast.data.prefetch import device_batches, host_batch
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.engines import build_engine
@@ -80,6 +81,7 @@ class OptimizedTrainer:
         seed_everything(spec.seed + self.rank)  # DDP syncs weights from rank 0; dropout should differ
         self.callbacks = list(callbacks)
         self.collate_fn, self.eval_data = collate_fn, eval_data
+        self.train_data = train_data  # as given (the doctor probes a few samples of it)
         self.should_stop = False  # a callback may set it; the run ends after the current step
         self._interrupt: str | None = None  # a signal received here (set by fit)
         self._stop_agreed = False  # under several ranks: some rank wants to stop (agreed in the step's all-reduce)
@@ -109,6 +111,9 @@ class OptimizedTrainer:
             self.collate_fn = build_packing_collator(
                 spec.packing, self.engine.module, collate_fn, shift_labels=bool(self.accumulation.shift_labels),
                 ignore_index=spec.loss.ignore_index)
+            # Measured, not assumed: packed documents must give the padded batch's outputs (refused here if not)
+            check_packing(self.engine.module, probe_samples(train_data), self.collate_fn, loss_fn=loss_fn,
+                          device=self.device)
         # save.async: the step only waits for a host copy; the write runs in a thread (checkpoint_async.py)
         self.checkpointer = AsyncCheckpointer() if spec.save.async_ else None
         if self.checkpointer is not None:

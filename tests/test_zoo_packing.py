@@ -1,0 +1,162 @@
+"""Packing on every zoo architecture: exact (per-document losses and the whole gradient equal the padded batch's),
+or refused at trainer construction with an error naming ``packing`` and why, before any training step.
+
+The trainer decides, not this test: the collator refuses what it cannot lay out per document (a batch without token
+sequences, per-token cross-attention masks) and a probe at construction packs 4 samples into one row and compares
+each document's logits with the padded batch's (vlmfast/data/packing_check.py). The table below only pins which
+outcome each family gets today, so a regression either way fails. Public API only, plus the collator's ``pack``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.data.packing import PackingCollator, disable_kv_cache
+
+transformers = pytest.importorskip("transformers")
+from zoo import ZOO, build_case  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+TOLERANCE = 1e-5
+N = 6  # samples per step: 1, 0, 2, 1, 2, 0 images
+REFUSED = {  # family -> what the refusal must say (the reason)
+    "paligemma": r"packing is not exact for PaliGemma.*token_type_ids",
+    "mllama": r"packing cannot lay out batch key 'cross_attention_mask'.*cross-attention",
+    "cnn": r"packing needs token sequences.*a list",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def spec(**packing: object) -> TrainSpec:
+    """One SGD step (lr 1: the update is minus the gradient) on N samples, fp32, 2 packed rows per micro-batch."""
+    return TrainSpec(max_steps=1, batch_size=N, micro_batch_size=2, device="cpu", data={"shuffle": False},
+                     optimizer={"name": "sgd", "lr": 1.0}, log={"progress": "off"}, memory={"leak_check": False},
+                     packing={"enabled": True, **packing})
+
+
+def padded_gradient(case, samples):
+    model = copy.deepcopy(case.model)
+    batch = case.collate_fn(samples)
+    (case.loss_fn(model, batch) if case.loss_fn else model(**batch).loss).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def per_document_losses(logits, labels, documents):
+    """Mean shifted cross-entropy of each document: ``documents`` = (row, start, length) per sample."""
+    ce = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], reduction="none")
+    valid = labels[:, 1:] != -100
+    out = []
+    for row, start, length in documents:  # targets of a document: its positions 1..length-1 (shifted: start..)
+        here = slice(start, start + length - 1)
+        out.append(ce[row, here][valid[row, here]].sum() / valid[row, here].sum())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_packing_equals_padding_or_is_refused_before_any_work(name):
+    case = build_case(name)
+    samples = case.samples[:N]
+    model = copy.deepcopy(case.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if name in REFUSED:
+        forwards = []
+        model.register_forward_pre_hook(lambda module, args: forwards.append(module.training))
+        with pytest.raises(ValueError, match=REFUSED[name]) as refused:
+            OptimizedTrainer(model, samples, spec(max_tokens=512), loss_fn=case.loss_fn, collate_fn=case.collate_fn)
+        assert "packing" in str(refused.value)
+        assert not any(forwards)  # at most the probe's eval-mode forwards: nothing trained
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        assert all(p.grad is None for p in model.parameters())
+        return
+
+    padded = case.collate_fn(samples)
+    longest = int(padded["attention_mask"].sum(1).max())
+    trainer = OptimizedTrainer(model, samples, spec(max_tokens=longest * 5 // 4), loss_fn=case.loss_fn,
+                               collate_fn=case.collate_fn)
+    collate = trainer.collate_fn
+    assert isinstance(collate, PackingCollator)
+    packed = collate.pack(samples)
+    assert 2 < len(packed.rows) < N  # rows hold several documents (packing happened), split into micro-batches
+    assert sum(len(r) for r in packed.rows) == N
+
+    # Per-document losses of the packed batch (on the untouched weights) equal each padded sample's.
+    reference_model = copy.deepcopy(case.model).eval()
+    disable_kv_cache(reference_model)  # as the trainer does: with a KV cache HF models ignore packed positions
+    with torch.no_grad():
+        lengths = padded["attention_mask"].sum(1).tolist()
+        where = {}
+        for r, row in enumerate(packed.rows):
+            start = 0
+            for i in row:
+                where[i] = (r, start, lengths[i])
+                start += lengths[i]
+        packed_losses = per_document_losses(reference_model(**packed.tensors).logits, packed.tensors["labels"],
+                                            [where[i] for i in range(N)])
+        padded_losses = per_document_losses(reference_model(**padded).logits, padded["labels"],
+                                            [(i, 0, lengths[i]) for i in range(N)])
+    torch.testing.assert_close(packed_losses, padded_losses, rtol=TOLERANCE, atol=TOLERANCE)
+
+    # One SGD step with packing (rows split into micro-batches of 2): the update is minus the padded gradient.
+    result = trainer.fit()
+    assert result.history[0]["accumulation_steps"] == -(-len(packed.rows) // 2)
+    reference = padded_gradient(case, samples)
+    names = sorted(reference)
+    update = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    diff = torch.cat([(update[n] + reference[n]).flatten() for n in names]).double().norm()
+    scale = torch.cat([reference[n].flatten() for n in names]).double().norm()
+    assert diff <= TOLERANCE * scale, f"packed update off by {float(diff / scale):.2e} of its norm"
+
+
+def test_the_probe_catches_wrong_positions():
+    """Control: Qwen2-VL packed without its own mRoPE position ids (the model then numbers the whole row as one
+    sequence, so documents see each other) is refused by the same probe that passes it with them."""
+    from vlmfast.data.packing import build_packing_collator
+    from vlmfast.data.packing_check import check_packing
+    from vlmfast.spec import PackingSpec
+
+    case = build_case("qwen2_vl")
+    collate = build_packing_collator(PackingSpec(enabled=True), case.model, case.collate_fn)
+    assert collate.position_ids_fn is not None  # found on the model (get_rope_index), not by class name
+    assert check_packing(case.model, case.samples[:4], collate) < 1e-5
+    with pytest.raises(ValueError, match="packing is not exact"):
+        check_packing(case.model, case.samples[:4], PackingCollator(**{**collate.__dict__, "position_ids_fn": None}))
+
+
+@pytest.mark.parametrize("name", ["paligemma", "llava"])
+def test_the_doctor_offers_packing_only_to_models_that_pack(name):
+    """`vlmfast doctor` checks its advice: padding-heavy PaliGemma is told to group by length, LLaVA to pack."""
+    from vlmfast.profiling.doctor import Evidence, diagnose, packing_refusal
+
+    case = build_case(name)
+    plain = spec().model_copy(update={"packing": spec().packing.model_copy(update={"enabled": False})})
+    trainer = OptimizedTrainer(copy.deepcopy(case.model), case.samples[:N], plain, collate_fn=case.collate_fn)
+    refusal = packing_refusal(trainer)
+    assert (refusal is not None) == (name in REFUSED)
+    evidence = Evidence([{"perf/step_time": 1.0, "perf/forward": 0.4, "perf/backward": 0.5}], plain,
+                        padding_fraction=0.5, packing_refused=refusal)
+    padding = next(f for f in diagnose(evidence) if f.key == "padding")
+    if refusal:
+        assert padding.change == {"data.group_by_length": "length"} and "packing is refused" in padding.advice
+    else:
+        assert padding.change == {"packing.enabled": True}
+
+
+def test_a_layout_the_model_cannot_take_is_refused_naming_packing():
+    """LLaVA takes its images flat; an explicit image_layout: per_row breaks its forward: refused at construction."""
+    case = build_case("llava")
+    with pytest.raises(ValueError, match=r"packing: LlavaForConditionalGeneration fails on packed rows.*image_layout"):
+        OptimizedTrainer(copy.deepcopy(case.model), case.samples[:N], spec(image_layout="per_row"),
+                         collate_fn=case.collate_fn)
