@@ -84,13 +84,6 @@ def _compile(spec: Any, ctx: BuildContext) -> Strategy | None:
     return TorchCompile(spec.compile) if spec.compile.enabled else None
 
 
-def _modality_sync(spec: Any, ctx: BuildContext) -> Strategy | None:
-    # Several ranks: a text-only micro-batch on one rank still runs the vision tower (weight 0), so ranks stay in step.
-    from vlmfast.strategies.modality_sync import ModalitySync
-
-    return ModalitySync(ctx.world_size) if ctx.world_size > 1 else None
-
-
 def _ema(spec: Any, ctx: BuildContext) -> Strategy | None:
     return EMA(spec.ema) if spec.ema.enabled else None
 
@@ -98,7 +91,6 @@ def _ema(spec: Any, ctx: BuildContext) -> Strategy | None:
 # In order: `apply` runs top to bottom, and so does every step point (clipping after the loss corrections).
 OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
     _attention,
-    _modality_sync,  # first: its hooks run before the engine's (ZeRO-3 / FSDP2 gathers) and see the plain tower
     _vision_cache,  # before checkpointing and compile: they wrap the tower the cache stands in for
     _activation_checkpointing,
     _linear_cross_entropy,
