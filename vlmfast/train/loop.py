@@ -169,7 +169,8 @@ class OptimizedTrainer:
             master_weights=self.engine.writes_shards and spec.precision != "fp32"))
 
     def _fit(self) -> FitResult:
-        resumed_from = resume_run(self.engine, self.load_state_dict, self.spec.save.resume, self.spec.save.dir)
+        resumed_from = resume_run(self.engine, self.load_state_dict, self.spec.save.resume, self.spec.save.dir,
+                                  check=self.check_resumable)
         self.model.train()
         reset_peak_memory(self.device)
         history: list[dict[str, Any]] = []
@@ -360,10 +361,14 @@ class OptimizedTrainer:
             "spec": self.spec.to_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (refuses a checkpoint of a different run: see checkpoint.REFUSED_ON_RESUME)."""
+    def check_resumable(self, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint written by a different run (spec) or on another number of ranks, naming the change."""
         check_resume_compatible(state["spec"], self.spec.to_dict())
         check_same_world_size(state["trainer"].get("world_size", 1), self.world_size)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (refuses a checkpoint of a different run: see checkpoint.REFUSED_ON_RESUME)."""
+        self.check_resumable(state)
         self.engine.load_state_dict(state["engine"] if "engine" in state else _engine_state_of_v01(state))
         for strategy in self.strategies:
             strategy.load_state_dict(state["strategies"].get(strategy.name, {}))

@@ -50,15 +50,20 @@ def needs_final_save(directory: str | Path | None, step: int) -> bool:
 
 
 def resume_run(engine: Engine, load_state_dict: Callable[[dict[str, Any]], None], resume: str | Path,
-               directory: str | Path | None) -> Path | None:
-    """Restore the checkpoint `resume` names (rank 0 decides for all); returns its path, or None."""
+               directory: str | Path | None, check: Callable[[dict[str, Any]], None] | None = None) -> Path | None:
+    """Restore the checkpoint `resume` names (rank 0 decides for all); returns its path, or None. `check(state)`
+    refuses an incompatible checkpoint (another spec, another world size) before the engine loads anything: a
+    DeepSpeed engine would otherwise fail on the other world size's shards with its own, less helpful, error."""
     path = resume_path(resume, directory) if _rank() == 0 else None
     path = broadcast_object(path)
     if path is None:
         return None
     try:  # on CPU: load_state_dict copies weights and optimizer state to their device; RNG states stay on CPU
+        state = load_checkpoint(path, map_location="cpu")
+        if check is not None:
+            check(state)
         engine.load_shards(path)
-        load_state_dict(load_checkpoint(path, map_location="cpu"))
+        load_state_dict(state)
     except SpecError:
         raise
     except Exception as exc:
