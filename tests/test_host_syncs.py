@@ -138,7 +138,8 @@ def test_oom_fallback_stays_within_two_reads_per_step():
     (_spec(data={"device_prefetch": True}), "lm", None),  # SampleBatch collated whole: micro-batches are slices
     (_spec(micro_batch_size=8, oom={"enabled": True}, data={"device_prefetch": True}), "vlm", 4),  # re-collated
     (_spec(packing={"enabled": True, "max_tokens": 64}, data={"device_prefetch": True}), "vlm", None),  # collated
-], ids=["whole", "recollated-after-oom", "packed"])
+    (_spec(micro_batch_tokens=160, data={"device_prefetch": True}), "vlm", None),  # planned on host, gathered
+], ids=["whole", "recollated-after-oom", "packed", "token-budget"])
 def test_device_prefetch_stays_within_two_reads_per_step(spec, task, oom_above):
     syncs = count_training_syncs(spec, task, oom_above)
     assert_within_budget(syncs, 2)
