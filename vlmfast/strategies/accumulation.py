@@ -174,7 +174,7 @@ class GradientAccumulation(Strategy):
         the batch it was copied from (:func:`vlmfast.data.batch.host_micro_batches`), so no device value is read."""
         splitter = getattr(micro_batch_size, "split", None)
         micro_batches = (splitter(batch, host=host) if splitter is not None  # planned on the host, rows gathered
-                         else split_micro_batches(batch, micro_batch_size, self.layout))
+                         else split_micro_batches(batch, micro_batch_size, self.layout, host=host))
         self._resolve_conventions(micro_batches[0])
         counted = host_micro_batches(batch, micro_batch_size, self.layout, host, keys=(self.label_key, "shift_labels"))
         token_counts = [self._count_tokens(mb) for mb in counted or micro_batches]  # the same split, on the host
