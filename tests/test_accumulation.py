@@ -197,3 +197,44 @@ def test_a_step_under_device_prefetch_applies_the_full_batch_gradient(collate, o
     actual = {n: start[n] - p.detach() for n, p in model.named_parameters()}
     assert_grads_close(actual, expected, rtol=1e-10)
 
+
+
+def _long_tailed_vlm_task():
+    """A float64 tiny VLM and 8 samples of 8-64 text tokens and 0-3 images laid out per row (images_per_row)."""
+    from vlmfast.models.long_tail import collate_per_row_images, long_tailed_samples
+    from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig
+
+    def collate(samples):
+        batch = collate_per_row_images(samples)
+        return {**batch, "pixel_values": batch["pixel_values"].double()}
+
+    model = TinyVLM(TinyVLMConfig(vocab_size=64, text_dim=32, vision_dim=16, max_text_len=160)).double()
+    return model, long_tailed_samples(8, max_text=64, max_images=3, seed=2), collate
+
+
+@pytest.mark.parametrize("task", ["text", "per-row-images"])
+def test_a_token_budget_step_under_device_prefetch_applies_the_full_batch_gradient(task):
+    """With micro_batch_tokens and data.device_prefetch the split is planned on the host copy of the batch (lengths,
+    image counts, columns) and the rows are gathered from the device copy; the loss tokens are counted on the host
+    rows of the same plan. One float64 SGD step of lr 1 moves the weights by exactly the full-batch gradient, which
+    fails if the host plan and the device gather (or the host counts) disagree in rows, columns or image slots."""
+    from vlmfast import OptimizedTrainer, TrainSpec
+
+    torch.manual_seed(0)
+    if task == "text":
+        model, data, collate, tokens = TinyCausalLM().double(), TokenDataset(8), None, 48
+        samples = [data[i] for i in range(8)]
+    else:
+        (model, samples, collate), tokens = _long_tailed_vlm_task(), 200
+        data = samples
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    whole = (collate or torch.utils.data.default_collate)(samples)
+    expected, _ = full_batch_gradient(copy.deepcopy(model), whole)
+    spec = TrainSpec(max_steps=1, batch_size=8, micro_batch_tokens=tokens, seed=0,
+                     optimizer={"name": "sgd", "lr": 1.0}, data={"device_prefetch": True, "shuffle": False},
+                     log={"progress": "off"})
+    trainer = OptimizedTrainer(model, data, spec, collate_fn=collate)
+    trainer.fit()
+    assert trainer.state.accumulation_steps >= 3  # split into micro-batches of different rows and widths
+    actual = {n: start[n] - p.detach() for n, p in model.named_parameters()}
+    assert_grads_close(actual, expected, rtol=1e-10)

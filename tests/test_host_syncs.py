@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from conftest import TinyCausalLM, TokenDataset, spawn_two_ranks
+from conftest import LlavaDataset, TinyCausalLM, TokenDataset, spawn_two_ranks, tiny_llava
 
 from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.testing import HostSyncs, count_host_syncs, simulated_oom
@@ -89,6 +89,8 @@ def count_training_syncs(spec: dict, task: str = "lm", oom_above: int | None = N
 
         model, data, collate = build_tiny_vlm_task(seed=0, num_samples=32,
                                                    config=TinyVLMConfig(vision_layers=1, text_layers=1))
+    elif task == "llava-loader":  # the user's DataLoader: collated batches, images found from their tokens
+        model, data, collate = tiny_llava(), torch.utils.data.DataLoader(LlavaDataset(32), batch_size=8), None
     else:
         model, data, collate = TinyCausalLM(), TokenDataset(32), None
     oom = simulated_oom(oom_above) if oom_above else contextlib.nullcontext()
@@ -134,14 +136,20 @@ def test_oom_fallback_stays_within_two_reads_per_step():
 # With device prefetch the batch reaches the step on the device; the loss and input tokens are counted on its host
 # copy (a SampleBatch keeps its host micro-batches, also those collated again after an OOM resize; a collated batch's
 # host original is kept by the prefetcher), so the step still reads only the loss and the norm (3 more reads before).
+# A token budget plans its micro-batches on the host copy and gathers the rows from the device one (10 reads before);
+# a user DataLoader's collated VLM batch finds each sample's images from its tokens on the host copy (7 before).
 @pytest.mark.parametrize("spec, task, oom_above", [
     (_spec(data={"device_prefetch": True}), "lm", None),  # SampleBatch collated whole: micro-batches are slices
     (_spec(micro_batch_size=8, oom={"enabled": True}, data={"device_prefetch": True}), "vlm", 4),  # re-collated
     (_spec(packing={"enabled": True, "max_tokens": 64}, data={"device_prefetch": True}), "vlm", None),  # collated
-], ids=["whole", "recollated-after-oom", "packed"])
+    (_spec(micro_batch_tokens=160, data={"device_prefetch": True}), "vlm", None),  # planned on host, gathered
+    (_spec(data={"device_prefetch": True}), "llava-loader", None),  # image tokens counted on host, sliced on device
+], ids=["whole", "recollated-after-oom", "packed", "token-budget", "collated-vlm"])
 def test_device_prefetch_stays_within_two_reads_per_step(spec, task, oom_above):
     syncs = count_training_syncs(spec, task, oom_above)
-    assert_within_budget(syncs, 2)
+    # transformers' LLaVA reads inside its forward (masking_utils' _ignore_causal_mask_sdpa, get_placeholder_mask,
+    # cache_utils' torch.tensor(..., device=)): upstream's, reported, not budgeted. vlmfast reads the loss and norm.
+    assert_within_budget(syncs, 2, ignore=("transformers/",))
     assert not any("count" in e.where for e in syncs.events if e.step >= 2), syncs.report()
 
 

@@ -40,6 +40,23 @@ def test_flattened_patches_follow_their_samples(qwen):
     assert "pixel_values" not in text_only and "image_grid_thw" not in text_only
 
 
+def test_a_device_copy_is_split_by_what_its_host_copy_says(qwen):
+    """Device prefetch: the rules read only the host batch (image tokens, grids) and slice the device one. Here the
+    'device' copy's image tokens and grid are scrambled and its patches shifted: the split still follows the host
+    copy's samples, and the slices hold the device copy's values."""
+    host = qwen.collate_fn(qwen.samples)
+    device = {**host, "input_ids": torch.zeros_like(host["input_ids"]), "image_grid_thw": host["image_grid_thw"] * 0,
+              "pixel_values": host["pixel_values"] + 1}
+    layout = BatchLayout.from_model(qwen.model)
+    for part, expected in zip(split_collated(device, 3, layout, host=host), split_collated(host, 3, layout),
+                              strict=True):
+        assert part.keys() == expected.keys()
+        assert torch.equal(part["pixel_values"], expected["pixel_values"] + 1)
+        assert not part["input_ids"].any()  # the device copy's
+    with pytest.raises(BatchSplitError):  # read on its own, the scrambled copy cannot be split
+        split_collated(device, 3, layout)
+
+
 def test_per_image_rows_are_not_mistaken_for_samples():
     """LLaVA: 8 images for 8 samples (1, 0, 2, 1, 2, 0, 1, 1): slicing rows by sample index would be silently
     wrong; the image tokens say which images are whose."""

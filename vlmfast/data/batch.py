@@ -11,7 +11,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,19 +50,23 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) 
     return send_to_device(batch, device, non_blocking=non_blocking)
 
 
-def host_micro_batches(batch: Any, micro_batch_size: int, layout: BatchLayout | None = None,
-                       host: Any = None) -> list[Any] | None:
+def host_micro_batches(batch: Any, micro_batch_size: int | Any, layout: BatchLayout | None = None,
+                       host: Any = None, keys: Sequence[str] | None = None) -> list[Any] | None:
     """:func:`split_batch`'s micro-batches of ``batch`` as host copies, in the same order, or None when ``batch`` is
     itself on the host (or its host copy was not kept). Counting tokens on them reads no device value.
 
     A SampleBatch keeps its host micro-batches when moved (also those collated again after an OOM resize); any
     other batch needs ``host``, the host batch it was copied from (``DevicePrefetcher.host_batch(batch)``), which is
-    split by the same rules. Usage: ``host_micro_batches(batch, 4, host=prefetcher.host_batch(batch))``
+    split by the same rules. A size object (a TokenBudget) gives its last split's micro-batches of ``host``, only
+    ``keys`` (rows are gathered: a copy, where slices are views). Usage:
+    ``host_micro_batches(batch, 4, host=prefetcher.host_batch(batch))``
     """
     if isinstance(batch, SampleBatch):
         return batch.host_micro_batches_at(micro_batch_size)
     if host is None or host is batch:
         return None
+    if hasattr(micro_batch_size, "host_micro_batches"):
+        return micro_batch_size.host_micro_batches(host, keys)
     return split_micro_batches(host, micro_batch_size, layout)
 
 

@@ -112,14 +112,19 @@ def _first_tensor(obj: Any) -> Tensor | None:
     return None
 
 
-def split_collated(batch: Any, micro_batch_size: int, layout: BatchLayout | None = None) -> list[Any]:
-    """Micro-batches of ``micro_batch_size`` samples (the last may be smaller) of a collated batch (module doc)."""
+def split_collated(batch: Any, micro_batch_size: int, layout: BatchLayout | None = None, host: Any = None) -> list[Any]:
+    """Micro-batches of ``micro_batch_size`` samples (the last may be smaller) of a collated batch (module doc).
+
+    ``host``: the host batch ``batch`` was copied from (device prefetch). The rules read only it (image tokens,
+    grids, pixel masks) and slice ``batch``, so splitting a device batch reads no device value.
+    Usage: ``split_collated(device_batch, 4, layout, host=host_batch)``
+    """
     n = num_samples(batch)
     if micro_batch_size >= n:
         return [batch]
     bounds = [(start, min(start + micro_batch_size, n)) for start in range(0, n, micro_batch_size)]
     if isinstance(batch, Mapping):
-        rules = _mapping_rules(batch, n, layout or BatchLayout())
+        rules = _mapping_rules(batch, n, layout or BatchLayout(), host if isinstance(host, Mapping) else batch)
         parts = [{k: rules[k](a, b) for k in batch} for a, b in bounds]  # the batch's key order
         return [_rebuild(batch, {k: v for k, v in part.items() if v is not _DROP}) for part in parts]
     rule = _generic_rule(batch, n, "the batch")
@@ -136,13 +141,15 @@ def _rebuild(batch: Mapping[str, Any], values: dict[str, Any]) -> Any:
 Rule = Callable[[int, int], Any]
 
 
-def _mapping_rules(batch: Mapping[str, Any], n: int, layout: BatchLayout) -> dict[str, Rule]:
+def _mapping_rules(batch: Mapping[str, Any], n: int, layout: BatchLayout, host: Mapping[str, Any]) -> dict[str, Rule]:
+    """The rule of each key of ``batch``; what decides them (image tokens, grids, pixel masks) is read on ``host``,
+    the same batch on the host (``batch`` itself unless it was copied to the device)."""
     rules: dict[str, Rule] = {}
-    image_tokens = _token_mask(batch, layout.image_token_ids)
-    video_tokens = _token_mask(batch, layout.video_token_ids)
-    rules.update(_image_rules(batch, n, image_tokens))
+    image_tokens = _token_mask(host, layout.image_token_ids)
+    video_tokens = _token_mask(host, layout.video_token_ids)
+    rules.update(_image_rules(batch, n, image_tokens, host))
     rules.update(_stream_rules(batch, n, video_tokens, "pixel_values_videos", "video_grid_thw",
-                               ("second_per_grid_ts",), "video"))
+                               ("second_per_grid_ts",), "video", host))
     for key, value in batch.items():
         if key in rules:
             continue
@@ -191,10 +198,13 @@ def _token_mask(batch: Mapping[str, Any], token_ids: tuple[int, ...]) -> Tensor 
     ids = batch.get("input_ids")
     if not token_ids or not isinstance(ids, Tensor) or ids.dim() != 2:
         return None
-    return torch.isin(ids, torch.tensor(token_ids, device=ids.device))
+    mask = ids == token_ids[0]  # compared with Python ints: no tensor of the ids to copy to the batch's device
+    for token_id in token_ids[1:]:
+        mask |= ids == token_id
+    return mask
 
 
-def _image_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None) -> dict[str, Rule]:
+def _image_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None, host: Mapping[str, Any]) -> dict[str, Rule]:
     present = [k for k in IMAGE_KEYS if k in batch]
     if not present:
         return {}
@@ -204,9 +214,9 @@ def _image_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None) -> dic
         # attend to the padding slots, so dropping those would change the gradient). Only where a pixel mask proves
         # a micro-batch holds no real image (Idefics3, whose vision tower cannot run on padding alone) are the keys
         # dropped, as its processor does for text-only samples.
-        return {k: _unless_no_pixels(_generic_rule(batch[k], n, f"'{k}'"), batch.get("pixel_attention_mask"), n)
+        return {k: _unless_no_pixels(_generic_rule(batch[k], n, f"'{k}'"), host.get("pixel_attention_mask"), n)
                 for k in present}
-    return _stream_rules(batch, n, tokens, "pixel_values", "image_grid_thw", ("image_sizes",), "image")
+    return _stream_rules(batch, n, tokens, "pixel_values", "image_grid_thw", ("image_sizes",), "image", host)
 
 
 def _per_sample_pixels(batch: Mapping[str, Any], n: int, tokens: Tensor | None) -> bool:
@@ -225,12 +235,12 @@ def _unless_no_pixels(rule: Rule, pixel_mask: Any, n: int) -> Rule:
 
 
 def _stream_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None, data_key: str, grid_key: str,
-                  item_keys: tuple[str, ...], what: str) -> dict[str, Rule]:
+                  item_keys: tuple[str, ...], what: str, host: Mapping[str, Any]) -> dict[str, Rule]:
     """Rules for the per-item tensors of one stream (images or videos): each sample's items, found from its tokens."""
     keys = [k for k in (data_key, grid_key, *item_keys) if k in batch]
     if not keys:
         return {}
-    items, rows = _items(batch, data_key, grid_key, item_keys)
+    items, rows = _items(host, data_key, grid_key, item_keys)
     counts = _items_per_sample(batch, tokens, items, rows, grid_key, item_keys, what, keys)
     starts = [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()]  # first item of each sample
     row_starts = [0, *torch.tensor(rows, dtype=torch.long).cumsum(0).tolist()] if rows is not None else []

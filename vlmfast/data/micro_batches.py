@@ -113,7 +113,7 @@ class SampleBatch:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
         if self.whole is not None:  # stacked: a slice is exactly what collating those samples would give
-            return split_collated(self.whole, micro_batch_size)
+            return split_collated(self.whole, micro_batch_size, host=self.host_micro_batches[0])  # reads the host
         size = min(micro_batch_size, self._length)
         if size == min(self.micro_batch_size, self._length) and self.micro_batches:
             return list(self.micro_batches)
@@ -196,16 +196,18 @@ class SampleCollate:
         return SampleBatch(samples, micro_batches, micro_batch_size)
 
 
-def split_micro_batches(batch: Any, micro_batch_size: int, layout: BatchLayout | None = None) -> list[Any]:
+def split_micro_batches(batch: Any, micro_batch_size: int, layout: BatchLayout | None = None,
+                        host: Any = None) -> list[Any]:
     """The micro-batches of ``batch`` at ``micro_batch_size`` samples each (the last one may be smaller).
 
     A :class:`SampleBatch` gives its collated micro-batches (collated again if the size changed); a collated batch
     is split by the key-aware rules of :func:`vlmfast.data.batch_layout.split_collated` (``layout``: the model's
     image / video token ids, :meth:`BatchLayout.from_model`), which refuse naming the key what they cannot prove.
+    ``host``: the host batch a device ``batch`` was copied from; the rules read it, not the device copy.
     Usage: ``split_micro_batches(batch, 3, BatchLayout.from_model(model))``
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
     if isinstance(batch, SampleBatch):
         return batch.micro_batches_at(micro_batch_size)
-    return split_collated(batch, micro_batch_size, layout)
+    return split_collated(batch, micro_batch_size, layout, host=host)

@@ -169,14 +169,14 @@ class GradientAccumulation(Strategy):
     def plan(self, batch: Any, micro_batch_size: int | Any, host: Any = None) -> AccumulationPlan:
         """Split `batch` and count its loss items (on the host, before it moves to the device); ranks agree on the
         total and on the number of micro-batches in one collective. `micro_batch_size` is a number of samples, or a
-        size object that splits the batch itself (`.split(batch)`: vlmfast.strategies.token_budget.TokenBudget).
+        size object that splits the batch itself (`.split(batch, host=host)`: a TokenBudget, which plans on `host`).
         A batch already on the device (device prefetch) is counted on its host copy: a SampleBatch's own, or `host`,
         the batch it was copied from (:func:`vlmfast.data.batch.host_micro_batches`), so no device value is read."""
         splitter = getattr(micro_batch_size, "split", None)
-        micro_batches = (splitter(batch) if splitter is not None  # samples, collated per micro-batch
-                         else split_micro_batches(batch, micro_batch_size, self.layout))
+        micro_batches = (splitter(batch, host=host) if splitter is not None  # planned on the host, rows gathered
+                         else split_micro_batches(batch, micro_batch_size, self.layout, host=host))
         self._resolve_conventions(micro_batches[0])
-        counted = None if splitter is not None else host_micro_batches(batch, micro_batch_size, self.layout, host)
+        counted = host_micro_batches(batch, micro_batch_size, self.layout, host, keys=(self.label_key, "shift_labels"))
         token_counts = [self._count_tokens(mb) for mb in counted or micro_batches]  # the same split, on the host
         countable = all(n is not None for n in token_counts)
         weighting = self.resolved_weighting = self._resolve_weighting(countable)

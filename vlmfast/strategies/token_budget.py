@@ -42,6 +42,7 @@ from vlmfast.strategies.base import Step, Strategy
 from vlmfast.utils import unwrap_model
 
 __all__ = [
+    "Pick",
     "TokenBudget",
     "TokenBudgetSizer",
     "image_token_cost",
@@ -51,6 +52,7 @@ __all__ = [
     "sample_costs",
     "sample_lengths",
     "split_by_tokens",
+    "take",
 ]
 
 log = logging.getLogger(__name__)
@@ -148,17 +150,50 @@ def micro_batch_cost(lengths: Sequence[int], images: Sequence[int], group: Seque
 # cutting a collated batch
 
 
-def _select(batch: Mapping[str, Any], rows: list[int], columns: slice) -> dict[str, Any]:
-    """Rows ``rows`` of every per-row entry, token keys cut to ``columns``, per-row image slots to the rows' most."""
-    ids = batch["input_ids"]
-    b, t = ids.shape
-    index = torch.tensor(rows, dtype=torch.long)
+@dataclass(frozen=True)
+class Pick:
+    """One micro-batch of a token-budget split, planned on the host: its rows, the columns they use and, per
+    per-row image key ([rows, images, ...]), the image slots kept (the rows' most, at least 1). Planning reads the
+    batch's lengths and image counts; :func:`take` applies a pick to any copy of the batch without reading it.
+
+    Usage: ``picks = TokenBudget(4096).plan(host_batch); micro = take(device_batch, picks[0])``
+    """
+
+    rows: tuple[int, ...]
+    columns: slice
+    slots: Mapping[str, int] = field(default_factory=dict)
+
+
+def _pick(batch: Mapping[str, Any], rows: list[int]) -> Pick:
+    """Plan one micro-batch of ``rows``: reads the batch's mask and image counts (give it the host copy)."""
+    slots = {}
+    for key in batch:
+        counts = batch.get("images_per_row" if key == "pixel_values" else f"{key}{COUNT_SUFFIX}")
+        if isinstance(counts, Tensor):
+            slots[key] = max(int(counts[rows].max()), 1)  # per-row image slots beyond every row's count are cut
+    return Pick(tuple(rows), _columns(batch, rows), slots)
+
+
+def take(batch: Mapping[str, Any], pick: Pick, keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """``pick``'s rows of every per-row entry of ``batch`` (only ``keys`` when given), token keys cut to its
+    columns, per-row image slots to its count. No value of ``batch`` is read, so a pick planned on the host copy
+    gathers from the device copy without waiting for the device (device prefetch).
+
+    Usage: ``micro_batches = [take(device_batch, p) for p in budget.plan(host_batch)]``
+    """
+    b, t = batch["input_ids"].shape
+    indices: dict[torch.device, Tensor] = {}  # the rows' index on each device the batch's tensors are on
     out: dict[str, Any] = {}
     for key, value in batch.items():
+        if keys is not None and key not in keys:
+            continue
         if isinstance(value, Tensor):
-            out[key] = _select_tensor(key, value, index, columns, (b, t), batch)
+            index = indices.get(value.device)
+            if index is None:
+                index = indices[value.device] = _index(pick.rows, value.device)
+            out[key] = _take_tensor(key, value, index, pick, (b, t))
         elif isinstance(value, (list, tuple)) and len(value) == b:
-            out[key] = type(value)(value[i] for i in rows)  # per-sample list (captions, ids)
+            out[key] = type(value)(value[i] for i in pick.rows)  # per-sample list (captions, ids)
         elif isinstance(value, (int, float, str, bool)) or value is None:
             out[key] = value
         else:
@@ -167,14 +202,23 @@ def _select(batch: Mapping[str, Any], rows: list[int], columns: slice) -> dict[s
     return out
 
 
-def _select_tensor(key: str, value: Tensor, index: Tensor, columns: slice, shape: tuple[int, int],
-                   batch: Mapping[str, Any]) -> Tensor:
+def _index(rows: Sequence[int], device: torch.device) -> Tensor:
+    """The rows as an index tensor on ``device``, sent without waiting for the device: a blocking copy from
+    pageable memory ends in a stream synchronize, a non-blocking one from pinned memory is only queued and the
+    pinned block is kept until it ran (torch aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda: memcpy_and_sync
+    vs cudaMemcpyAsync + CachingHostAllocator_recordEvent)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index if device.type == "cpu" else index.to(device)  # a host batch's gather stays a host value
+
+
+def _take_tensor(key: str, value: Tensor, index: Tensor, pick: Pick, shape: tuple[int, int]) -> Tensor:
     b, t = shape
     if value.dim() == 0:
         return value
-    index = index.to(value.device)
     if key == "position_ids" and value.dim() == 3 and value.shape[1:] == (b, t):  # mRoPE [C, B, T]
-        return value.index_select(1, index)[:, :, columns]
+        return value.index_select(1, index)[:, :, pick.columns]
     if value.shape[0] != b:
         raise ValueError(
             f"micro_batch_tokens cannot split batch key '{key}' of shape {tuple(value.shape)}: its first dimension is "
@@ -182,10 +226,9 @@ def _select_tensor(key: str, value: Tensor, index: Tensor, columns: slice, shape
             f"...] with images_per_row, as packing's per_row layout does) or use micro_batch_size")
     rows = value.index_select(0, index)
     if value.dim() >= 2 and value.shape[1] == t and (key in TOKEN_KEYS or value.shape[:2] == (b, t)):
-        return rows[:, columns]
-    counts = batch.get("images_per_row" if key == "pixel_values" else f"{key}{COUNT_SUFFIX}")
-    if isinstance(counts, Tensor) and value.dim() >= 3:  # per-row images [B, K, ...]: the rows' most, at least 1
-        return rows[:, : max(int(counts.index_select(0, index.to(counts.device)).max()), 1)]
+        return rows[:, pick.columns]
+    if key in pick.slots and value.dim() >= 3:  # per-row images [B, K, ...]
+        return rows[:, : pick.slots[key]]
     return rows
 
 
@@ -229,9 +272,18 @@ class TokenBudget:
     image_tokens: int = 0  # vision-tower tokens charged per image: see image_token_cost
     prepended_tokens: int = 0  # language-model tokens per image the model adds before the text (not in input_ids)
     last: dict[str, Any] = field(default_factory=dict)  # the last split: micro_batches, max tokens, rows
+    picks: list[Pick] = field(default_factory=list, repr=False)  # the last split's plan: see host_micro_batches
 
-    def split(self, batch: Any) -> list[dict[str, Any]]:
-        """Micro-batches of ``batch`` (a dict of tensors), each costing at most ``tokens`` unless a row alone does."""
+    def split(self, batch: Any, host: Any = None) -> list[dict[str, Any]]:
+        """Micro-batches of ``batch`` (a dict of tensors), each costing at most ``tokens`` unless a row alone does.
+        ``host``: the host batch ``batch`` was copied from (device prefetch): the split is planned there (lengths,
+        image counts, columns) and only the rows are gathered from ``batch``, so no device value is read."""
+        self.picks = self.plan(host if host is not None else batch)
+        return [take(batch, pick) for pick in self.picks]
+
+    def plan(self, batch: Any) -> list[Pick]:
+        """The micro-batches of ``batch`` as :class:`Pick` s, longest first (reads its lengths and image counts:
+        give it the host copy). Records the split's figures in ``last``. Usage: ``budget.plan(host_batch)``"""
         if not isinstance(batch, Mapping):
             raise ValueError(f"micro_batch_tokens splits dict batches (a collate_fn returning a dict of tensors); "
                              f"got a {type(batch).__name__}: use micro_batch_size")
@@ -239,12 +291,16 @@ class TokenBudget:
         images = images_per_row(batch).tolist()
         groups = plan_token_micro_batches(lengths, self.tokens, self.max_rows, images=images,
                                           image_tokens=self.image_tokens)
-        micro_batches = [_select(batch, group, _columns(batch, group)) for group in groups]
         costs = [micro_batch_cost(lengths, images, group, self.image_tokens) for group in groups]
         self.last = {"micro_batches": len(groups), "micro_batch_tokens": max(costs),
                      "micro_batch_rows": max(len(g) for g in groups), "real_tokens": sum(lengths),
                      "over_budget": sum(len(g) == 1 and c > self.tokens for g, c in zip(groups, costs, strict=True))}
-        return micro_batches
+        return [_pick(batch, group) for group in groups]
+
+    def host_micro_batches(self, host: Mapping[str, Any], keys: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The last split's micro-batches taken from ``host`` (only ``keys``), in the same order: what to count
+        loss tokens on without reading the device copy. Usage: ``budget.host_micro_batches(host, ["labels"])``"""
+        return [take(host, pick, keys) for pick in self.picks]
 
     def halved(self) -> TokenBudget:
         """Half the budget (the OOM fallback's retry size); rows capped as before."""
