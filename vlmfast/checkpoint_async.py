@@ -184,10 +184,12 @@ class AsyncCheckpointer:
     # ---- as a trainer callback --------------------------------------------------------------------------------
     def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
         self.poll()
-        # FSDP2 gathers its state with a collective: never from one rank's callback.
+        # An engine that gathers its state with a collective (FSDP2) is never asked from one rank's callback.
         if (not self._buffers and not self.in_flight and trainer.is_main_process and trainer.spec.save.every_steps
-                and trainer.backend.name != "fsdp"):
-            self.prepare_buffers(trainer.state_dict())
+                and trainer.engine.local_state_dict):
+            # The engine's state: the bulk, first in the trainer's state and so first in the buffers' order (the
+            # rest, RNG states gathered from every rank, is a collective and small).
+            self.prepare_buffers({"engine": trainer.engine.state_dict()})
 
     def prepare_buffers(self, state: dict[str, Any]) -> None:
         """Allocate (and touch) the host buffers for copies of `state` in a background thread, so the first save

@@ -114,6 +114,7 @@ class Engine:
     # ---- checkpoints --------------------------------------------------------------------------------------
     writes_shards = False  # True: every rank writes its part of the checkpoint (save_shards / load_shards)
     can_probe = True  # False: sharded engines, whose batch-size probes would strand peers inside a collective
+    local_state_dict = True  # False: state_dict() gathers with a collective, so one rank may not call it alone
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and precision state (every rank calls it: gathering may be a collective)."""
