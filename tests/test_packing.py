@@ -131,7 +131,7 @@ def test_images_whose_channels_equal_the_sequence_length_are_not_taken_for_cross
     assert batch["pixel_values"].shape[:2] == batch["input_ids"].shape
     documents = unpad_batch(batch)
     assert len(documents) == 4
-    with pytest.raises(ValueError, match="'cross_attention_mask'.*cross-attention"):  # a real per-token key still is
+    with pytest.raises(ValueError, match=r"'cross_attention_mask'.*cross-attention"):  # a real per-token key still is
         unpad_batch({**batch, "cross_attention_mask": torch.ones(4, 3, 1, 1)})
 
 

@@ -67,8 +67,7 @@ def full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
 def load_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
                          optimizer_state: dict[str, Any]) -> None:
     """Shard a full state (as :func:`full_state_dict` wrote it, read by every rank) back into `model`/`optimizer`."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
     # torch's full-state optimizer load (`_load_optim_state_dict`) takes the device to scatter to from the local
