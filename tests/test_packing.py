@@ -124,6 +124,17 @@ def test_packed_micro_batches_keep_images_and_token_weighting() -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+def test_images_whose_channels_equal_the_sequence_length_are_not_taken_for_cross_attention() -> None:
+    """[B, 3, H, W] images with 3-token samples: the shape looks like Mllama's [B, T, images, tiles] mask."""
+    batch = VLMCollator()(_shapes_samples(4))
+    batch = {k: v[:, :3] if k in ("input_ids", "attention_mask", "labels") else v for k, v in batch.items()}
+    assert batch["pixel_values"].shape[:2] == batch["input_ids"].shape
+    documents = unpad_batch(batch)
+    assert len(documents) == 4
+    with pytest.raises(ValueError, match=r"'cross_attention_mask'.*cross-attention"):  # a real per-token key still is
+        unpad_batch({**batch, "cross_attention_mask": torch.ones(4, 3, 1, 1)})
+
+
 def test_packing_leaks_nothing_between_documents() -> None:
     """Change one sample's caption: the logits of the other samples packed in its row do not move."""
     samples = _shapes_samples(6)

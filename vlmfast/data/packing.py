@@ -115,7 +115,9 @@ def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_va
         if not isinstance(value, Tensor):
             raise PackingError(f"packing cannot carry batch key '{key}' ({type(value).__name__}): drop it in "
                                "collate_fn")
-        if value.dim() > 2 and value.shape[:2] == (b, t) and key != "position_ids":
+        # Images themselves are never per-token: [B, C, H, W] with C == T (3 tokens, RGB) is not cross-attention.
+        per_token = key not in ("position_ids", "pixel_values", "pixel_values_videos", *image_keys)
+        if per_token and value.dim() > 2 and value.shape[:2] == (b, t):
             raise PackingError(_CROSS.format(key=key, shape=tuple(value.shape)))
     kinds = {**image_key_kinds(batch, layout), **{k: "sample" for k in image_keys if k in batch
                                                   and batch[k].shape[0] == b and k not in IMAGE_KEYS}}

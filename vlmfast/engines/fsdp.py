@@ -67,10 +67,23 @@ def full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
 def load_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
                          optimizer_state: dict[str, Any]) -> None:
     """Shard a full state (as :func:`full_state_dict` wrote it, read by every rank) back into `model`/`optimizer`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                   options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+    # torch's full-state optimizer load (`_load_optim_state_dict`) takes the device to scatter to from the local
+    # optimizer state's tensors of dim > 0 and asserts "Expected device to be set" when there are none: a stateless
+    # optimizer (SGD without momentum) on any device. With no such tensor there is nothing sharded to scatter: the
+    # plain load (hyperparameters, scalar states) is the same state.
+    set_optimizer_state_dict(model, optimizer, optimizer_state,
+                             options=StateDictOptions(full_state_dict=_has_tensor_state(optimizer_state)))
+
+
+def _has_tensor_state(optimizer_state: dict[str, Any]) -> bool:
+    """Whether a full optimizer state holds a tensor to shard (torch's test: a tensor of dim > 0)."""
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+               for leaf in tree_leaves(optimizer_state.get("state", {})))
 
 
 def describe(model: nn.Module, spec: FSDPSpec, precision: str) -> str:
