@@ -121,7 +121,7 @@ def test_sigterm_to_the_process_group_under_deepspeed_with_workers_ends_with_the
     """~20 s when DeepSpeed's shm op is built; its first build on a loaded 2-core machine took 2.5 min."""
     pytest.importorskip("deepspeed")
     outcome, save = _preempt(tmp_path, RUN, {"num_workers": 2}, signal.SIGTERM, timeout=400,
-                             extra={"deepspeed": {"enabled": True, "zero_stage": 2}})
+                             extra={"engine": "deepspeed", "deepspeed": {"zero_stage": 2}})
     _assert_final_checkpoint_at_the_step_reached(outcome, save, signal.SIGTERM)
     assert (latest_checkpoint(save) / "deepspeed").is_dir()  # the engine's shards are in the final checkpoint
 
