@@ -115,7 +115,9 @@ def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_va
         if not isinstance(value, Tensor):
             raise PackingError(f"packing cannot carry batch key '{key}' ({type(value).__name__}): drop it in "
                                "collate_fn")
-        if value.dim() > 2 and value.shape[:2] == (b, t) and key != "position_ids":
+        # Per-token values over another axis [B, T, ...]; images [B, C, H, W] are not, even where C happens to equal
+        # T (three-token samples with RGB images)
+        if value.dim() > 2 and value.shape[:2] == (b, t) and key != "position_ids" and key not in image_keys:
             raise PackingError(_CROSS.format(key=key, shape=tuple(value.shape)))
     kinds = {**image_key_kinds(batch, layout), **{k: "sample" for k in image_keys if k in batch
                                                   and batch[k].shape[0] == b and k not in IMAGE_KEYS}}

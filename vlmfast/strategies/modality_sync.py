@@ -11,7 +11,8 @@ The mechanism, measured on the model rather than guessed from names:
    its arguments (the stand-in's input), the first module it runs (its entry: "the image path ran"), the module
    the forward starts right after it (the stand-in's point, so ZeRO-3 / FSDP2 gather in the same order on every
    rank), and which forward argument holds the images.
-2. **Agree per training forward**: one host all-reduce (MAX) of "this micro-batch has images".
+2. **Agree per training forward**: one host all-reduce (MAX) of "this micro-batch has images" (not under DDP, which
+   needs every parameter in every backward: there every text-only micro-batch stands in, no agreement needed).
 3. **Stand in**: on a rank whose micro-batch has none while another's has, ``get_image_features`` runs on the learned
    input at the learned point, and the features it returns (only those the model consumes: the tower's unused last
    layer stays unused, as on the ranks with images) join the loss with weight 0. Every rank then gathers, computes
@@ -133,8 +134,11 @@ class ModalitySync(Strategy):
 
     name = "modality_sync"
 
-    def __init__(self, probe_batches: ProbeBatches | None, every_forward: bool = False) -> None:
+    def __init__(self, probe_batches: ProbeBatches | None, every_forward: bool = False, always: bool = False) -> None:
         self.probe_batches = probe_batches
+        # DDP (without find_unused_parameters) needs every parameter used in every backward, text-only micro-batches
+        # on all ranks included: stand in on each of them, and no agreement is needed
+        self.always = always
         # Sharded weights (ZeRO-3, FSDP2) are gathered by no-grad forwards too (vlmfast's label probe, evaluation):
         # those must stand in as well. Otherwise only training forwards need it.
         self.every_forward = every_forward
@@ -179,8 +183,8 @@ class ModalitySync(Strategy):
             self._share()
         image = kwargs.get(self.path.image_key) if self.path and self.path.image_key else None
         mine = isinstance(image, torch.Tensor) and image.numel() > 0
-        anyone = any_rank(mine)  # the one collective: before any module runs, the same on every rank
-        if anyone and not mine and self.path is None:
+        anyone = self.always or any_rank(mine)  # the one collective: before any module runs, on every rank
+        if anyone and not mine and self.path is None and not self.always:
             raise RuntimeError(
                 "modality sync: another rank's micro-batch has images and this rank's has none, but vlmfast could "
                 "not learn how the model computes image features (no probed training sample ran the model's "

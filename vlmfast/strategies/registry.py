@@ -62,12 +62,13 @@ def _vision_cache(spec: Any, ctx: BuildContext) -> Strategy | None:
 def _modality_sync(spec: Any, ctx: BuildContext) -> Strategy | None:
     # Several ranks whose backward reduces (not DDP under the OOM fallback, which averages by hand after the ranks
     # agree): a rank whose micro-batch has no image still runs the image path (weight 0) when another's has.
-    if ctx.world_size == 1 or (spec.engine == "ddp" and spec.oom.enabled):
+    # DDP with find_unused_parameters already reduces zeros for a skipped tower.
+    if ctx.world_size == 1 or (spec.engine == "ddp" and (spec.oom.enabled or spec.ddp.find_unused_parameters)):
         return None
     from vlmfast.strategies.modality_sync import ModalitySync
 
     sharded = spec.engine == "fsdp" or (spec.engine == "deepspeed" and spec.deepspeed.zero_stage == 3)
-    return ModalitySync(ctx.probe_batches, every_forward=sharded)
+    return ModalitySync(ctx.probe_batches, every_forward=sharded, always=spec.engine == "ddp")
 
 
 def _activation_checkpointing(spec: Any, ctx: BuildContext) -> Strategy | None:
