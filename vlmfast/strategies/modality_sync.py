@@ -73,8 +73,14 @@ def learn_image_path(model: nn.Module, batches: Iterable[Any]) -> ImagePath | No
             if not isinstance(batch, Mapping):
                 continue
             record["counts"] = {}
-            with torch.no_grad():
-                model(**batch)
+            try:
+                with torch.no_grad():
+                    model(**batch)
+            except Exception as exc:  # a batch only the user's loss_fn can take: nothing learned from it
+                log.debug("modality sync: probe forward failed (%s)", exc)
+                record.clear()
+                record.update(depth=0, counts={})
+                continue
             if "owner" in record:
                 break
     finally:
