@@ -6,6 +6,9 @@ scenario in turn (process start-up is most of the cost):
 - a zero-token micro-batch on one rank (an image-and-prompt-only sample): a loop that skipped it would run a different
   number of backward passes (and of reductions) per rank;
 - packing where the ranks' shards have very different lengths, so they pack into different numbers of rows;
+- images on one rank and none on the other (Hugging Face LLaVA from the zoo, which skips its vision tower on a
+  text-only batch): the text-only rank runs the image path with weight 0 (vlmfast.strategies.modality_sync), else
+  DDP waits for the tower's gradients and ZeRO-2 / ZeRO-3 / FSDP2 abort with a gloo size mismatch;
 - dropout, saved at step 2 and resumed on 2 ranks: bit-identical to the run that never stopped (per-rank RNG);
 - the 2-rank checkpoint resumed in one process: refused, naming the world sizes (the global batch would halve).
 
@@ -61,6 +64,34 @@ class UnevenCaptions(torch.utils.data.Dataset):
         return sample
 
 
+class ImagesOnRankZero(torch.utils.data.Dataset):
+    """Zoo LLaVA samples with images only at indices 0 and 2 (mod 8): with rank-strided shards and micro-batches of
+    2, rank 0's first micro-batch of each step has images and every other micro-batch (all of rank 1's) has none."""
+
+    def __init__(self, samples: list[dict]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict:
+        sample = self.samples[i % 8]
+        return {**sample, "images": sample["images"] if i % 8 in (0, 2) else []}
+
+
+def llava_task():
+    from zoo.cases import build_case
+
+    case = build_case("llava")
+    return case.model, ImagesOnRankZero(case.samples), case.collate_fn
+
+
+# LLaVA reads the tower's hidden_states[-2] and never its pooler: those parameters get no gradient on any rank, which
+# DDP refuses whatever the data (freeze them, or find_unused_parameters); frozen here so that only the modality
+# mismatch is tested.
+LLAVA = {"max_steps": 2, "optimizer": {"name": "sgd", "lr": 0.5, "freeze": ["post_layernorm", "encoder.layers.1"]}}
+
+
 def spec(batch_size: int, **overrides) -> dict:
     return {"max_steps": 3, "batch_size": batch_size, "micro_batch_size": batch_size // 2,
             "optimizer": {"name": "sgd", "lr": 0.5}, "data": {"shuffle": False}, "log": {"progress": "off"},
@@ -89,7 +120,8 @@ def full_params(trainer: OptimizedTrainer) -> dict[str, torch.Tensor]:
 def run(model, data, spec_dict: dict, collate=None) -> dict:
     trainer = OptimizedTrainer(model, data, TrainSpec(**spec_dict), collate_fn=collate)
     result = trainer.fit()
-    return {"params": full_params(trainer), "losses": [m["loss"] for m in result.history]}
+    stand_ins = next((s.stand_ins for s in trainer.strategies if s.name == "modality_sync"), None)
+    return {"params": full_params(trainer), "losses": [m["loss"] for m in result.history], "stand_ins": stand_ins}
 
 
 def _worker(engine: dict, save_dir: str) -> dict:
@@ -98,6 +130,8 @@ def _worker(engine: dict, save_dir: str) -> dict:
     out["zero_token"] = run(TinyCausalLM(), PromptOnlySamples(), spec(4, **engine))
     model, data, collate = packing_task()
     out["packing"] = run(model, data, spec(4, **engine, **PACKED), collate)
+    model, data, collate = llava_task()
+    out["modalities"] = run(model, data, spec(4, **engine, **LLAVA), collate)
     # Dropout: the run that never stops saves at step 2; the resumed one continues from there on 2 ranks.
     saving = spec(4, **engine, max_steps=4, save={"dir": save_dir, "every_steps": 2, "keep_last": 5})
     torch.manual_seed(0)
@@ -205,3 +239,17 @@ def test_a_two_rank_checkpoint_resumed_on_one_rank_is_refused(two_ranks):
     assert "written by 2 rank(s), this run has 1" in message, message
     assert "save.resume: never" in message and "Resume on 2 rank(s)" in message
 
+
+
+@pytest.mark.timeout(400)
+def test_images_on_one_rank_and_none_on_the_other_keep_ranks_in_step(two_ranks):
+    ranks = [r["modalities"] for r in two_ranks[1]]
+    # Rank 1 stands in where rank 0's micro-batch has images (the first of each step), and under DDP (every
+    # parameter in every backward) on every micro-batch without images, on both ranks
+    steps = LLAVA["max_steps"]
+    expected = [steps, 2 * steps] if two_ranks[0].startswith("ddp") else [0, steps]
+    assert [r["stand_ins"] for r in ranks] == expected
+    model, data, collate = llava_task()
+    initial = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    reference = one_process(model, data, spec(8, **LLAVA), collate)
+    assert_ranks_equal_one_process(ranks, reference, initial)

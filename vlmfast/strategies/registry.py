@@ -10,7 +10,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,8 @@ class BuildContext:
 
     device: torch.device
     world_size: int = 1
+    # A few training batches (collated samples, on the device), for strategies that learn from a forward
+    probe_batches: Callable[[], Iterable[Any]] | None = None
 
 
 def _attention(spec: Any, ctx: BuildContext) -> Strategy | None:
@@ -55,6 +57,18 @@ def _vision_cache(spec: Any, ctx: BuildContext) -> Strategy | None:
     preprocessing = {"device_image_size": data.device_image_size, "image_key": data.image_key,
                      "image_mean": data.image_mean, "image_std": data.image_std} if data.device_image_size else {}
     return VisionCache(spec.vision_cache, preprocessing)
+
+
+def _modality_sync(spec: Any, ctx: BuildContext) -> Strategy | None:
+    # Several ranks whose backward reduces (not DDP under the OOM fallback, which averages by hand after the ranks
+    # agree): a rank whose micro-batch has no image still runs the image path (weight 0) when another's has.
+    # DDP with find_unused_parameters already reduces zeros for a skipped tower.
+    if ctx.world_size == 1 or (spec.engine == "ddp" and (spec.oom.enabled or spec.ddp.find_unused_parameters)):
+        return None
+    from vlmfast.strategies.modality_sync import ModalitySync
+
+    sharded = spec.engine == "fsdp" or (spec.engine == "deepspeed" and spec.deepspeed.zero_stage == 3)
+    return ModalitySync(ctx.probe_batches, every_forward=sharded, always=spec.engine == "ddp")
 
 
 def _activation_checkpointing(spec: Any, ctx: BuildContext) -> Strategy | None:
@@ -91,6 +105,7 @@ def _ema(spec: Any, ctx: BuildContext) -> Strategy | None:
 # In order: `apply` runs top to bottom, and so does every step point (clipping after the loss corrections).
 OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
     _attention,
+    _modality_sync,  # before the cache, checkpointing and compile: it learns the plain model's image path
     _vision_cache,  # before checkpointing and compile: they wrap the tower the cache stands in for
     _activation_checkpointing,
     _linear_cross_entropy,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
@@ -97,7 +97,8 @@ class OptimizedTrainer:
         self.micro_batching = build_micro_batching(spec, model, describe_memory=self._describe_memory, on_oom=dump)
         self.strategies: list[Strategy] = [
             self.engine.precision, self.accumulation, self.optimization,
-            *build_strategies(spec, BuildContext(self.device, self.world_size)), self.micro_batching]
+            *build_strategies(spec, BuildContext(self.device, self.world_size, probe_batches=self._probe_batches)),
+            self.micro_batching]
         model = model.to(self.device)
         for strategy in self.strategies:
             model = strategy.apply(model)
@@ -128,6 +129,13 @@ class OptimizedTrainer:
                             sample_check=SampleCheck.for_model(self.engine.module, spec.loss.label_key,
                                                                spec.loss.ignore_index)),
             spec.data, self.device)
+
+    def _probe_batches(self) -> Iterator[Any]:
+        """The first training samples, each collated alone by the user's collate_fn, on the device (for strategies
+        that learn from a forward: modality sync)."""
+        collate = self.collate_fn or torch.utils.data.default_collate
+        for sample in probe_samples(self.train_data, count=16):
+            yield move_to_device(collate([sample]), self.device)
 
     def _build_memory_monitor(self) -> MemoryMonitor | None:
         """Leak detection, allocator history and the timeline plot, fed by the trainer's memory readings."""
