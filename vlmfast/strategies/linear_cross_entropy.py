@@ -37,6 +37,7 @@ the first batch), vlmfast's tiny VLM, and any model exposing ``hidden_states_for
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -183,7 +184,10 @@ def linear_cross_entropy(
         chunk = chunk_tokens or auto_chunk_tokens(weight.shape[0])
         options = _Options(ignore_index, chunk, HeadTransform(logit_scale, softcap), label_smoothing, z_loss,
                            _matmul_dtype(weight), recompute)
-        with torch.autocast(hidden.device.type, enabled=False):  # the function casts itself (options.matmul_dtype)
+        # The function casts itself (options.matmul_dtype); meta tensors (memory estimates) have no autocast.
+        no_autocast = (torch.autocast(hidden.device.type, enabled=False)
+                       if torch.amp.is_autocast_available(hidden.device.type) else contextlib.nullcontext())
+        with no_autocast:
             total = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, options)
     else:
         total = _fused_kernel(chosen, flat_hidden, weight, bias, flat_targets, ignore_index, softcap, logit_scale,
