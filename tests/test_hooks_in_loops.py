@@ -157,8 +157,12 @@ def test_hooks_give_the_global_batch_gradient_in_each_loop(loops, kind: str) -> 
 
 
 @pytest.fixture
-def accelerate_state():
-    """Accelerate keeps its state in a process-wide singleton: reset it after the test."""
+def accelerate_state(monkeypatch: pytest.MonkeyPatch):
+    """Accelerate keeps its state in a process-wide singleton: reset it after the test. A launcher's variables left
+    in this process (DeepSpeed needs LOCAL_RANK for as long as its engine lives; vlmfast sets it for a one-process
+    engine) would make Accelerator(cpu=True) start a multi-process group: the test runs without them."""
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
     yield
     from accelerate.state import AcceleratorState
 
