@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Each test starts from the same environment variables: an engine run in-process sets launcher variables
+    (DeepSpeed reads LOCAL_RANK for as long as its engine lives), which would turn a later Accelerator or HF Trainer
+    in this process into a multi-process launch."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 class TinyCausalLM(nn.Module):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,9 @@ class DeepSpeedEngine(Engine):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown vlmfast's report
         filter_deepspeed_warnings()  # torch's per-step deprecation FutureWarnings for DeepSpeed's collectives
         ensure_process_group()
+        # DeepSpeed reads LOCAL_RANK at initialize and while the engine lives (runtime/engine.py
+        # _do_args_sanity_check, zero/utils.py, zero/partition_parameters.py); a launcher sets it, one process not.
+        os.environ.setdefault("LOCAL_RANK", "0")
         self.module, self.optimizer = model, build_optimizer(model)
         with explain_build_locks(), notice_if_slow(DEEPSPEED_BUILD_NOTICE):  # a stale lock; a slow first build
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config,

@@ -169,6 +169,5 @@ def ensure_process_group() -> None:
     """A private one-rank group when none exists: DeepSpeed and FSDP2 need a group even on one process (no ports)."""
     if torch.distributed.is_initialized():
         return
-    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's own sanity check reads it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
