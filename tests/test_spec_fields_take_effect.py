@@ -96,7 +96,8 @@ def test_eval_every_steps_and_max_batches():
         max_steps=4, batch_size=8, eval={"every_steps": 2, "max_batches": 1}, log={"progress": "off"}),
         eval_data=TokenDataset(32, seed=3))
     original = trainer.accumulation.plan
-    trainer.accumulation.plan = lambda batch, size, **kw: calls.append(batch_size_of(batch)) or original(batch, size, **kw)
+    trainer.accumulation.plan = lambda batch, size, **kw: (calls.append(batch_size_of(batch))
+                                                           or original(batch, size, **kw))
     result = trainer.fit()
     assert [m["step"] for m in result.eval_history] == [2, 4, 4]  # every 2 steps, and once at the end
     assert len(calls) == 4 + 3  # 4 training batches + one eval batch per evaluation (max_batches 1)
