@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from vlmfast.save_dir import SaveDirLock, format_bytes, leftover_is_abandoned, temp_name
 from vlmfast.sections import SpecError
@@ -147,23 +148,15 @@ def _write_error(directory: Path, step: int, exc: OSError, needed: Callable[[], 
     )
 
 
+def state_tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors of a nested state (dicts, lists, tuples), in insertion order (torch's pytree traversal)."""
+    return [leaf for leaf in tree_leaves(state) if isinstance(leaf, torch.Tensor)]
+
+
 def state_bytes(state: Any) -> int:
     """Bytes of the tensor storages in `state` (each storage once, as torch.save writes them)."""
-    seen: dict[int, int] = {}
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-
-    visit(state)
-    return sum(seen.values())
+    storages = (t.untyped_storage() for t in state_tensors(state))
+    return sum({s.data_ptr() or id(s): s.nbytes() for s in storages}.values())
 
 
 def _fresh_temp_dir(directory: Path, step: int) -> Path:

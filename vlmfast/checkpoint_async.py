@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from vlmfast.checkpoint import checkpoint_name, save_checkpoint
+from vlmfast.checkpoint import checkpoint_name, save_checkpoint, state_tensors
 
 log = logging.getLogger(__name__)
 
@@ -80,23 +80,8 @@ def snapshot_to_host(state: Any, reuse: list[torch.Tensor] | None = None) -> tup
 
 def _layout(state: Any) -> list[tuple[torch.Size, torch.dtype, bool]]:
     """(shape, dtype, pinned) of each distinct tensor of `state`, in :func:`snapshot_to_host`'s order."""
-    seen: set[int] = set()
-    layout = []
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if id(value) not in seen:
-                seen.add(id(value))
-                layout.append((value.shape, value.dtype, value.device.type == "cuda"))
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item)
-
-    visit(state)
-    return layout
+    distinct = {id(t): t for t in state_tensors(state)}  # first occurrence kept, in order (tied weights once)
+    return [(t.shape, t.dtype, t.device.type == "cuda") for t in distinct.values()]
 
 
 def _host_copy(tensor: torch.Tensor, devices: set[torch.device], target: torch.Tensor | None) -> torch.Tensor:
