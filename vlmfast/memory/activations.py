@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["BatchProbe", "ModelProbe", "default_activation_probe", "measure_saved_activations",
            "repeated_blocks"]
@@ -56,7 +57,7 @@ class _Measurement(NamedTuple):
         return sum(kept.values()) + recompute
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     """(key, bytes) of a tensor's storage; the key also tells meta storages apart, whose data_ptr is 0."""
     try:
         storage = tensor.untyped_storage()
@@ -65,15 +66,34 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
         return id(tensor), tensor.numel() * tensor.element_size()
 
 
-def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth < 3 and isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item, depth + 1)
-    elif depth < 3 and isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item, depth + 1)
+@contextlib.contextmanager
+def tracking_blocks(blocks: Sequence[tuple[str, nn.Module]], resident: set[int], keep: list[torch.Tensor],
+                    stack: list[int], inputs: list[dict[int, int]]) -> Iterator[None]:
+    """While active, ``stack[-1]`` is the index of the block running (``stack`` is empty outside every block) and
+    ``inputs[i]`` collects the non-resident storages block i receives, each held in ``keep`` (so a freed address is
+    not reused by a later storage and counted once for two)."""
+    def enter(index: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            stack.append(index)
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and (key_bytes := storage_key(leaf))[0] not in resident:
+                    keep.append(leaf)
+                    inputs[index][key_bytes[0]] = key_bytes[1]
+        return hook
+
+    def leave(*_: Any) -> None:
+        if stack:
+            stack.pop()
+
+    handles = []
+    try:
+        for i, (_, block) in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(enter(i), with_kwargs=True))
+            handles.append(block.register_forward_hook(leave, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -98,48 +118,28 @@ def measure_saved_activations(
     freed storage's address cannot be reused by a later one and be counted once for two.
     """
     blocks = repeated_blocks(model) if blocks is None else list(blocks)
-    resident = {_storage_key(t)[0] for t in (*model.parameters(), *model.buffers())}
+    resident = {storage_key(t)[0] for t in (*model.parameters(), *model.buffers())}
     sizes: dict[int, int] = {}
     owners: dict[int, set[int | None]] = {}
-    inputs: dict[int, dict[int, int]] = {}
+    inputs: list[dict[int, int]] = [{} for _ in blocks]
     stack: list[int] = []
     keep: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key, nbytes = _storage_key(tensor)
+        key, nbytes = storage_key(tensor)
         if key not in resident:
             keep.append(tensor)
             sizes[key] = nbytes
             owners.setdefault(key, set()).add(stack[-1] if stack else None)
         return tensor
 
-    def enter(index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            stack.append(index)
-            for tensor in _tensors_in((args, kwargs)):
-                key, nbytes = _storage_key(tensor)
-                if key not in resident:
-                    keep.append(tensor)
-                    inputs.setdefault(index, {})[key] = nbytes
-        return hook
-
-    def leave(*_: Any) -> None:
-        if stack:
-            stack.pop()
-
-    handles = []
-    try:
-        for i, (_, block) in enumerate(blocks):
-            handles.append(block.register_forward_pre_hook(enter(i), with_kwargs=True))
-            handles.append(block.register_forward_hook(leave))
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            result = run()
-    finally:
-        for handle in handles:
-            handle.remove()
+    with (tracking_blocks(blocks, resident, keep, stack, inputs), torch.enable_grad(),
+          torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)):
+        result = run()
     del result
     keep.clear()
-    return _Measurement(sizes, {k: frozenset(v) for k, v in owners.items()}, inputs, tuple(p for p, _ in blocks))
+    return _Measurement(sizes, {k: frozenset(v) for k, v in owners.items()}, dict(enumerate(inputs)),
+                        tuple(p for p, _ in blocks))
 
 
 @dataclass

@@ -38,6 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from vlmfast.memory.activations import repeated_blocks, storage_key, tracking_blocks
+
 __all__ = [
     "SAVED_OPS",
     "BlockCost",
@@ -107,14 +109,6 @@ def _tower(path: str) -> str:
     return "vision" if any("vision" in s or s == "visual" for s in segments) else "language"
 
 
-def _storage(tensor: torch.Tensor) -> tuple[int, int]:
-    try:
-        storage = tensor.untyped_storage()
-        return storage._cdata, storage.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return id(tensor), tensor.numel() * tensor.element_size()
-
-
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     for leaf in tree_flatten(value)[0]:
         if isinstance(leaf, torch.Tensor):
@@ -143,7 +137,7 @@ class _Recorder(TorchDispatchMode):
             self.flops[block] += float(flop_registry[packet](*args, **kwargs, out_val=out))
         if packet in SAVED_OPS:
             for tensor in _tensors(out):
-                key, nbytes = _storage(tensor)
+                key, nbytes = storage_key(tensor)
                 self.cached[block][key] = nbytes
                 self.keep.append(tensor)
         elif not getattr(func, "is_view", False):
@@ -158,10 +152,8 @@ def measure_block_costs(model: nn.Module, run: Callable[[], Any],
 
     Usage: ``costs = measure_block_costs(model, lambda: model(**batch).loss)``
     """
-    from vlmfast.memory.activations import repeated_blocks
-
     blocks = repeated_blocks(model) if blocks is None else list(blocks)
-    resident = {_storage(t)[0] for t in (*model.parameters(), *model.buffers())}
+    resident = {storage_key(t)[0] for t in (*model.parameters(), *model.buffers())}
     stack: list[int] = []
     saved: list[dict[int, int]] = [{} for _ in blocks]
     inputs: list[dict[int, int]] = [{} for _ in blocks]
@@ -170,36 +162,15 @@ def measure_block_costs(model: nn.Module, run: Callable[[], Any],
     keep: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key, nbytes = _storage(tensor)
+        key, nbytes = storage_key(tensor)
         if key not in resident:
             keep.append(tensor)
             (saved[stack[-1]] if stack else outside)[key] = nbytes
         return tensor
 
-    def enter(index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            stack.append(index)
-            for tensor in _tensors((args, kwargs)):
-                key, nbytes = _storage(tensor)
-                if key not in resident:
-                    keep.append(tensor)
-                    inputs[index][key] = nbytes
-        return hook
-
-    def leave(*_: Any) -> None:
-        if stack:
-            stack.pop()
-
-    handles = []
-    try:
-        for i, (_, block) in enumerate(blocks):
-            handles.append(block.register_forward_pre_hook(enter(i), with_kwargs=True))
-            handles.append(block.register_forward_hook(leave, always_call=True))
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
-            result = run()
-    finally:
-        for handle in handles:
-            handle.remove()
+    with (tracking_blocks(blocks, resident, keep, stack, inputs), torch.enable_grad(),
+          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder):
+        result = run()
     del result
     _share_common(saved, inputs, recorder.cached, outside)
     costs = []
