@@ -3,7 +3,8 @@
 For each sequence length the variants run interleaved (eager, sdpa-flash, sdpa-math, ..., then again in reverse),
 each timed as the median of its repetitions; the speed-up is eager's median over the variant's. Memory: on CUDA the
 peak allocated bytes of the pass; on CPU (no allocator statistics) the bytes the pass keeps for backward, which is
-where attention's O(T^2) score matrix shows up. Variants that cannot run here are listed with the reason.
+where attention's O(T^2) score matrix shows up. Variants that cannot run here (or raise any exception) are listed
+with the reason.
 ``--packed N`` packs N documents of equal length into each row (per-document ``position_ids``): attention must stay
 inside each document, which SDPA does with a varlen kernel (CUDA, fp16/bf16) or a dense mask, flex with a block mask
 and flash-attn with its varlen kernel.
@@ -63,12 +64,11 @@ def why_not(backend: str, kernels: list[str] | None, qkv: list[torch.Tensor]) ->
     documents = PackedDocuments.from_position_ids(PACKED["position_ids"]) if PACKED else None
     inputs = AttentionInputs(causal=True, sdpa_kernels=tuple(kernels) if kernels else None, documents=documents)
     reason = BACKENDS[backend].unavailable_reason(qkv[0], inputs)
-    if reason is None and kernels:
-        try:  # torch refuses a kernel that cannot take these inputs ("No available kernel")
-            with torch.no_grad():
-                vlmfast.attention(*qkv, causal=True, sdpa_kernels=kernels, **PACKED)
-        except RuntimeError as exc:
-            reason = str(exc).splitlines()[0][:160]
+    if reason is None:
+        try:  # a forward and backward, as timed: torch refuses a kernel that cannot take these inputs ("No
+            step(qkv, backend, kernels)  # available kernel"), and a torch release may lack a keyword (TypeError)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
     return reason
 
 
@@ -136,8 +136,6 @@ def main() -> None:
                 skipped[name] = reason
             else:
                 runnable[name] = (backend, kernels)
-        for backend, kernels in runnable.values():
-            step(qkv, backend, kernels)  # warm-up
         times: dict[str, list[float]] = {name: [] for name in runnable}
         for rnd in range(args.repeats):
             order = list(runnable) if rnd % 2 == 0 else list(reversed(runnable))

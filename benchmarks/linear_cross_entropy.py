@@ -1,10 +1,11 @@
-"""Chunked linear cross-entropy against the standard head + loss, at Qwen2-0.5B's head size, on CPU.
+"""Chunked linear cross-entropy against the standard head + loss, at Qwen2-0.5B's head size, on CPU or a GPU.
 
 Usage::
 
     python benchmarks/linear_cross_entropy.py                    # vocab 151,936, hidden 896, 4,096 tokens, 3 rounds
     python benchmarks/linear_cross_entropy.py --ignored 0.5      # half the positions are image / prompt tokens
     python benchmarks/linear_cross_entropy.py --tokens 512 --rounds 2 --out /tmp/lce.json   # a quick look
+    python benchmarks/linear_cross_entropy.py --device cuda --precision bf16 --tokens 8192 --rounds 1   # on a GPU
 
 The model is Qwen2-0.5B's shape (hidden 896, vocabulary 151,936, tied embeddings) with ``--layers`` decoder layers
 (default 1, so the head, which is what changes, weighs as much as it can in the step). Every position carries a
@@ -17,7 +18,8 @@ warm-up step, then ``--steps`` timed training steps (forward, backward, SGD step
 - ``loss_path_saved_bytes``: what autograd keeps for backward from the hidden states to the loss (the hidden
   states, which both paths keep, included), measured with ``saved_tensor_bytes``;
 - ``step_peak_rss_mb``: the process's peak RSS minus its RSS before the first step (the weights, their gradients
-  and the batch exist in both), i.e. what the steps added at their peak;
+  and the batch exist in both), i.e. what the steps added at their peak; on CUDA ``step_peak_allocated_mb``, the
+  peak of ``torch.cuda.max_memory_allocated`` over the steps minus what was allocated before them;
 - ``step_time_s``: median of the timed steps over all rounds; ``time_ratio`` = variant / standard.
 
 Variants: ``standard`` (the model's own head and loss), ``chunked`` (the default: logits recomputed in backward,
@@ -78,33 +80,48 @@ def _loss_path_bytes(model: torch.nn.Module, hidden: torch.Tensor, labels: torch
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One process: warm-up, timed steps, saved bytes, peak RSS."""
     from vlmfast.hooks import apply_linear_cross_entropy
+    from vlmfast.utils import resolve_device
 
     torch.set_num_threads(args.threads)
-    model = _model(args.layers, args.vocab, args.hidden)
+    device = resolve_device(args.device)
+    model = _model(args.layers, args.vocab, args.hidden).to(device)
     if args.variant != "standard":
         apply_linear_cross_entropy(model, chunk_tokens=args.chunk_tokens, recompute=args.variant == "chunked")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=g)
     labels = ids.clone()
     labels[:, : int(args.ignored * args.tokens)] = -100  # image and prompt tokens carry no loss
-    batch = {"input_ids": ids, "labels": labels}
+    batch = {"input_ids": ids.to(device), "labels": labels.to(device)}
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    cuda = device.type == "cuda"
     rss_before = psutil.Process().memory_info().rss
+    allocated_before = torch.cuda.memory_allocated(device) if cuda else 0
     times = []
     for step in range(1 + args.steps):
+        if cuda and step == 1:  # the warm-up step allocated the gradients: both variants hold them from here on
+            torch.cuda.synchronize(device)
+            allocated_before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        loss = model(**batch).loss
+        with autocast:
+            loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # keep the gradient buffers: both variants hold them
+        if cuda:
+            torch.cuda.synchronize(device)
         if step:
             times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    with torch.no_grad():  # after the peak was read: this measurement allocates the logits once more
-        hidden = model.model(input_ids=ids).last_hidden_state
-    saved = _loss_path_bytes(model, hidden, labels, args.variant)
-    return {"variant": args.variant, "step_times_s": times, "loss": float(loss), "loss_path_saved_bytes": saved,
-            "rss_before_mb": rss_before / 2**20, "step_peak_rss_mb": (peak - rss_before) / 2**20}
+    memory = {"rss_before_mb": rss_before / 2**20, "step_peak_rss_mb": (peak - rss_before) / 2**20}
+    if cuda:
+        memory["step_peak_allocated_mb"] = (torch.cuda.max_memory_allocated(device) - allocated_before) / 2**20
+    with torch.no_grad(), autocast:  # after the peak was read: this measurement allocates the logits once more
+        hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state
+    saved = _loss_path_bytes(model, hidden, batch["labels"], args.variant)
+    return {"variant": args.variant, "device": str(device), "step_times_s": times, "loss": float(loss),
+            "loss_path_saved_bytes": saved, **memory}
 
 
 def main() -> None:
@@ -119,6 +136,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process (after one warm-up)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
     parser.add_argument("--out", default=None)
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -145,17 +164,23 @@ def main() -> None:
             "step_peak_rss_mb": median([r["step_peak_rss_mb"] for r in results]),
             "loss": results[0]["loss"],
         }
+        if "step_peak_allocated_mb" in results[0]:
+            summary[variant]["step_peak_allocated_mb"] = median([r["step_peak_allocated_mb"] for r in results])
     std = summary["standard"]
     for variant in VARIANTS[1:]:
         ours = summary[variant]
         ours["time_ratio"] = ours["step_time_s"] / std["step_time_s"]
         ours["loss_path_memory_ratio"] = std["loss_path_saved_mb"] / ours["loss_path_saved_mb"]
         ours["step_peak_rss_ratio"] = std["step_peak_rss_mb"] / ours["step_peak_rss_mb"]
+        if "step_peak_allocated_mb" in ours:
+            ours["step_peak_allocated_ratio"] = std["step_peak_allocated_mb"] / ours["step_peak_allocated_mb"]
     summary["load_average_1m"] = psutil.getloadavg()[0]
     config = {k: getattr(args, k) for k in ("vocab", "hidden", "tokens", "layers", "chunk_tokens", "ignored", "steps",
-                                            "rounds", "threads")}
+                                            "rounds", "threads", "device", "precision")}
     name = "linear_cross_entropy" + (f"_ignored{args.ignored:g}" if args.ignored else "")
-    path = write_result(name, torch.device("cpu"),
+    from vlmfast.utils import resolve_device
+
+    path = write_result(name, resolve_device(args.device),
                         {"config": config, "summary": summary, "runs": runs}, args.out)
     print(json.dumps(summary, indent=2))
     print(f"wrote {path}")

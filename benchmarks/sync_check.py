@@ -3,7 +3,8 @@
 On CUDA the counter sees real device tensors and also runs under ``torch.cuda.set_sync_debug_mode("warn")``, whose
 warnings (syncs inside torch's own kernels, stream waits, synchronous copies) are counted separately; on CPU the
 accelerator is simulated by tagging (see vlmfast/profiling/host_syncs.py). The budget of issue 18: 1 read per step in
-the default path, at most 2 with packing, device prefetch or the OOM fallback.
+the default path, at most 2 with packing, device prefetch, the token budget or the OOM fallback; on CUDA for the
+larger of vlmfast's reads and torch's own count.
 
 Usage::
 
@@ -31,6 +32,7 @@ CONFIGS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (spec overrides, b
     "device_prefetch": ({"data": {"device_prefetch": True}}, 2),
     "oom_fallback": ({"oom": {"enabled": True}}, 2),
     "bf16": ({"precision": "bf16"}, 1),
+    "token_budget": ({"micro_batch_tokens": 512}, 2),
 }
 
 
@@ -44,8 +46,13 @@ def count(name: str, args: argparse.Namespace, device: torch.device) -> dict[str
     with count_host_syncs(device=device) as syncs:
         OptimizedTrainer(model, dataset, spec, collate_fn=collate, callbacks=[syncs]).fit()
     steady = syncs.per_step[1:] or syncs.per_step
+    # On CUDA torch's sync debug mode sees every sync, vlmfast's reads and torch's own kernels' (nonzero, copies to
+    # the host, stream waits): the budget holds for the larger of the two counts.
+    torch_steady = syncs.torch_per_step[1:] or syncs.torch_per_step
+    worst = max([*steady, *torch_steady])
     return {"budget_per_step": budget, "per_step": syncs.per_step, "steady_max": max(steady),
-            "within_budget": max(steady) <= budget, "cuda_sync_warnings": syncs.cuda_warnings,
+            "torch_per_step": syncs.torch_per_step, "torch_steady_max": max(torch_steady, default=0),
+            "within_budget": worst <= budget, "cuda_sync_warnings": syncs.cuda_warnings,
             "async_host_copies": len(syncs.async_host_copies), "report": syncs.report().splitlines(),
             "seconds": time.perf_counter() - start}
 
@@ -65,8 +72,8 @@ def main() -> None:
             continue  # the same path as default on CPU
         results[name] = count(name, args, device)
         r = results[name]
-        print(f"{name}: {r['per_step']} host reads per step (budget {r['budget_per_step']}), "
-              f"{r['cuda_sync_warnings']} sync-debug warnings", flush=True)
+        print(f"{name}: {r['per_step']} host reads per step, torch's sync debug mode {r['torch_per_step']} "
+              f"(budget {r['budget_per_step']}: {'within' if r['within_budget'] else 'OVER'})", flush=True)
     path = write_result("sync_check", device, {"steps": args.steps, "batch_size": args.batch_size,
                                                "configs": results}, args.out)
     print(f"written: {path}")

@@ -21,6 +21,7 @@ from conftest import TinyCausalLM, TokenDataset
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+import vlmfast.attention
 from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.testing import count_host_syncs, simulated_oom
 
@@ -402,3 +403,46 @@ def test_fit_turns_an_optimizer_step_oom_into_the_explained_error():
         max_steps=2, batch_size=8, micro_batch_size=4, oom={"enabled": True}, log={"progress": "off"}))
     with simulated_oom(phase="optimizer"), pytest.raises(OutOfMemoryOutsideStepError, match="8-bit"):
         trainer.fit()
+
+
+# ---- torch's varlen_attn: each release's signature (torch/nn/attention/varlen.py) ---------------------------------
+
+
+def _reference_varlen(query, key, value, cu_seq_q, max_q, scale, causal):
+    """What every release's varlen_attn computes, one document at a time; same head counts only, as torch <= 2.11."""
+    assert key.shape[1] == query.shape[1], "this varlen_attn has no enable_gqa: K/V must have the query's heads"
+    bounds = cu_seq_q.tolist()
+    pieces = [F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (query, key, value)),
+                                             is_causal=causal, scale=scale).transpose(0, 1)
+              for a, b in itertools.pairwise(bounds)]
+    return torch.cat(pieces)
+
+
+def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    return _reference_varlen(query, key, value, cu_seq_q, max_q, None, is_causal)
+
+
+def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1)):
+    assert tuple(window_size) in ((-1, -1), (-1, 0))
+    return _reference_varlen(query, key, value, cu_seq_q, max_q, scale, tuple(window_size) == (-1, 0))
+
+
+@pytest.mark.parametrize("varlen_attn", [varlen_attn_2_10, varlen_attn_2_11], ids=["torch-2.10", "torch-2.11"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_packed_sdpa_runs_on_every_varlen_attn_signature_and_equals_eager(monkeypatch, varlen_attn, kv_heads, scale):
+    from vlmfast.attention import backends
+
+    # Past the CUDA gate: the packed SDPA path takes torch's varlen kernel, here a stub with an older signature.
+    monkeypatch.setattr(backends, "_varlen_attn", lambda: varlen_attn)
+    monkeypatch.setattr(backends, "_uses_varlen", lambda q, inputs: inputs.documents is not None)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 12, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, 12, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]])
+    common = {"causal": True, "position_ids": positions, "scale": scale, "enable_gqa": kv_heads != 4}
+    packed = vlmfast.attention(q, k, v, backend="sdpa", **common)
+    eager = vlmfast.attention(q, k, v, backend="eager", **common)
+    # eager takes its softmax in float32 whatever the inputs' dtype: a float64 comparison holds to ~1e-7
+    assert (packed - eager).norm() <= 1e-6 * eager.norm()

@@ -156,6 +156,17 @@ def test_prefetch_moves_nested_batches_and_applies_the_transform():
         next(DevicePrefetcher(iter([]), "cpu"))
 
 
+def test_workers_of_an_epoch_started_by_the_prefetch_thread_exit_cleanly():
+    """Seen on an H200 first (vlmfast-best): the second epoch's workers are forked from the prefetch thread; each
+    exited with code 1 after its work (concurrent.futures' exit hook joined that thread from itself), and the loader's
+    shutdown raised "DataLoader worker ... exited unexpectedly"."""
+    loader = ResumableLoader(TokenDataset(8), batch_size=4, spec=DataSpec(shuffle=False, num_workers=2), seed=0)
+    batches = DevicePrefetcher(loader, torch.device("cpu"))
+    seen = [next(batches)["input_ids"] for _ in range(6)]  # 3 epochs of 2 batches: later epochs fork in the thread
+    batches.close()  # joins the workers: raised RuntimeError before the fix
+    assert torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[5])
+
+
 @pytest.mark.gpu
 def test_prefetch_copies_on_a_side_stream_from_pinned_memory():
     if not torch.cuda.is_available():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -209,6 +210,7 @@ def test_a_real_cuda_oom_is_survived():
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     torch.cuda.reset_peak_memory_stats()
     ooms_before = torch.cuda.memory_stats().get("num_ooms", 0)
+    baseline = torch.cuda.memory_allocated()
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
@@ -224,6 +226,12 @@ def test_a_real_cuda_oom_is_survived():
         assert trainer.micro_batching.events[0]["reason"] == "out of memory"
         assert torch.cuda.memory_stats()["num_ooms"] > ooms_before  # the allocator really failed, nothing simulated
         assert torch.cuda.max_memory_reserved() <= cap
+        # Nothing of the failed attempt outlives it: once the run is gone, allocated memory is back at its baseline
+        # (a traceback or a retry that kept a tensor would hold hundreds of MiB here).
+        del trainer, model
+        gc.collect()
+        leftover = torch.cuda.memory_allocated() - baseline
+        assert leftover <= 2**20, f"{leftover / 2**20:.0f} MiB still allocated after the run ended"
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()

@@ -109,7 +109,8 @@ RULES: list[tuple[str, str, str]] = [
     (r"-m pytest", "skip", "the test suite itself"),
     (r"mkdocs build", "skip", "tests/test_docs.py::test_site_builds_strict_without_warnings builds the site"),
     (r"benchmarks/compare\.py", "skip", "a benchmark (minutes; --quick is tests/test_bench.py's quick fixture)"),
-    (r"benchmarks/gpu_check\.sh", "skip", "the GPU owner's command; tests/test_gpu_check.py runs its --dry-run"),
+    (r"benchmarks/gpu_lease\.sh", "skip", "the GPU lease's commands (prepare downloads, run is sent to the device); "
+     "tests/test_gpu_lease.py rehearses both"),
     (r"NNODES=2|--nnodes 2", "skip", "needs a second machine (the rendezvous is the 1-node command's)"),
     (r"--model-path llava-hf/", "skip", "downloads 7B weights from the Hugging Face Hub"),
     (r"^deepspeed ", "check", "DeepSpeed's launcher needs GPUs; the engine trains in tests/test_deepspeed.py"),

@@ -35,6 +35,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all configurations (default 5)")
     parser.add_argument("--configs", default=None, help="comma-separated configuration names (default: all; "
                         "'start' is always added, every ratio is against it)")
+    parser.add_argument("--without", default="", help="comma-separated strategies the best rows leave out, for "
+                        "every tool alike (e.g. compile: a short GPU lease cannot pay its compile time)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the size's)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -107,7 +109,8 @@ def _compare(args: argparse.Namespace, device: Any, size: str, path: Path) -> Pa
     from vlmfast.bench.workload import build_workload
 
     workload = build_workload(size, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size)
-    configs = build_configs(device.type)
+    without = [name for name in args.without.split(",") if name]
+    configs = build_configs(device.type, without)
     if args.configs:
         wanted = {START, *args.configs.split(",")}
         unknown = wanted - {c.name for c in configs}
@@ -118,6 +121,7 @@ def _compare(args: argparse.Namespace, device: Any, size: str, path: Path) -> Pa
           f"size {size} on {device}", flush=True)
     result = {"benchmark": "compare", "environment": environment(device), "workload": workload.describe(),
               "repeats": args.repeats, "quick": args.quick, "best_reason": BEST_REASONS[device.type],
+              "best_without": without,
               **run_comparison(workload, configs, args.repeats, device, progress=_progress)}
     paths = write_results(result, path.parent, path.name)
     print(comparison_markdown(result), f"\nwritten: {', '.join(str(p) for p in paths.values())}", sep="\n")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,15 +104,25 @@ BEST_REASONS: dict[str, str] = {
 }
 
 
-def best_spec(device_type: str) -> dict[str, Any]:
-    """The spec overrides of vlmfast's best configuration on `device_type` ("cpu" or "cuda")."""
+def best_set(device_type: str, without: Collection[str] = ()) -> list[str]:
+    """The strategies of the best configuration on `device_type`, less `without` (e.g. compile, for a short lease)."""
+    unknown = set(without) - set(_strategies(device_type))
+    if unknown:
+        raise ValueError(f"unknown strategy(ies) {sorted(unknown)} in --without; choose from "
+                         f"{sorted(_strategies(device_type))}")
+    return [name for name in BEST[device_type] if name not in without]
+
+
+def best_spec(device_type: str, without: Collection[str] = ()) -> dict[str, Any]:
+    """The spec overrides of vlmfast's best configuration on `device_type` ("cpu" or "cuda"), less `without`."""
     from vlmfast.bench.runners import _deep_merge
 
     spec: dict[str, Any] = {}
     strategies = _strategies(device_type)
-    for name in BEST[device_type]:
+    best = best_set(device_type, without)
+    for name in best:
         spec = _deep_merge(spec, strategies[name][0])
-    if "sdpa" in BEST[device_type]:
+    if "sdpa" in best:
         spec["attention"] = {"backend": "auto"}  # what users get: flash-attn where installed, else SDPA
     return spec
 
@@ -123,9 +133,10 @@ def _manual_workers(device_type: str) -> int:
     return min(8, cpus // 2) if device_type == "cuda" else 0
 
 
-def build_configs(device_type: str) -> list[BenchConfig]:
-    """Every configuration for a device type ("cpu" or "cuda"), in run order."""
-    best = BEST[device_type]
+def build_configs(device_type: str, without: Collection[str] = ()) -> list[BenchConfig]:
+    """Every configuration for a device type ("cpu" or "cuda"), in run order; the best rows (vlmfast's and the other
+    tools') leave out the strategies in `without`."""
+    best = best_set(device_type, without)
     loop_best = Settings(precision="bf16" if "bf16" in best else "fp32", attention="sdpa" if "sdpa" in best else
                          "eager", compile="compile" in best, tf32="tf32" in best,
                          num_workers=_manual_workers(device_type) if "workers" in best else 0)
@@ -143,7 +154,7 @@ def build_configs(device_type: str) -> list[BenchConfig]:
         configs.append(BenchConfig(f"vlmfast+{name}", "vlmfast", Settings(spec=spec), "strategy", description,
                                    strategy=name, cuda_only=name == "tf32"))
     configs += [
-        BenchConfig("vlmfast-best", "vlmfast", Settings(spec=best_spec(device_type)), "best",
+        BenchConfig("vlmfast-best", "vlmfast", Settings(spec=best_spec(device_type, without)), "best",
                     "vlmfast: " + " + ".join(best)),
         BenchConfig("accelerate", "accelerate", Settings(), "equal", "Accelerate loop, starting point's settings"),
         BenchConfig("accelerate-best", "accelerate", loop_best, "best", f"Accelerate: {what}"),

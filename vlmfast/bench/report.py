@@ -124,7 +124,9 @@ def _notes(result: dict[str, Any]) -> str:
             f"attention over each sample's own length, vision tower included), the same for every row. {mfu} "
             f"Padding: share of token positions the model computed on that were padding. Train loss: mean of the "
             f"last 20% of steps (batches differ when a row reorders or packs); eval loss: the same held-out "
-            f"samples for every row, fp32. Best-set reason: {result.get('best_reason', '')}")
+            f"samples for every row, fp32. Best-set reason: {result.get('best_reason', '')}"
+            + (f" This run's best rows leave out: {', '.join(result['best_without'])}."
+               if result.get("best_without") else ""))
 
 
 def headroom_markdown(result: dict[str, Any]) -> str:

@@ -26,7 +26,10 @@ Usage::
 
 from __future__ import annotations
 
+import concurrent.futures.thread
 import logging
+import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +45,20 @@ from vlmfast.spec import DataSpec
 log = logging.getLogger(__name__)
 
 _EXHAUSTED = object()
+
+
+def _forget_the_forking_executor_thread() -> None:
+    """In a process forked from the prefetch thread (DataLoader workers of a new epoch are), that thread is the
+    child's only thread; concurrent.futures' exit hook would join it from itself ("cannot join current thread"), and
+    the worker would exit with code 1 after its work, which torch's SIGCHLD handler turns into a RuntimeError in the
+    main process (seen on an H200 and on CPU: num_workers > 0 with device_prefetch). The child forgets it."""
+    registry = getattr(concurrent.futures.thread, "_threads_queues", None)  # CPython 3.8-3.13: thread -> work queue
+    if registry is not None:
+        registry.pop(threading.current_thread(), None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_the_forking_executor_thread)
 
 
 class DevicePrefetcher:

@@ -76,7 +76,8 @@ _REPEAT_INTERLEAVE = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self
 _HOST_METHODS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.cpu: "cpu"}
 # Factories that copy Python values into a new tensor: with device=<accelerator> a blocking host-to-device copy.
 _FROM_HOST_VALUES = {torch.tensor, torch.as_tensor, torch.scalar_tensor}
-_SKIP_FRAMES = (str(Path(torch.__file__).parent), __file__, contextlib.__file__, threading.__file__)
+_COUNTED_READ = threading.local()  # .active while a host method counted as one read runs (its ops are that read)
+_SKIP_FRAMES = (str(Path(torch.__file__).parent), __file__, contextlib.__file__, threading.__file__, warnings.__file__)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class HostSyncs:
     device: torch.device
     events: list[HostSync] = field(default_factory=list)
     async_host_copies: list[HostSync] = field(default_factory=list)
-    cuda_warnings: int = 0  # syncs torch.cuda.set_sync_debug_mode reported (CUDA only)
+    torch_syncs: list[HostSync] = field(default_factory=list)  # what set_sync_debug_mode reported (CUDA only)
     step: int = 0  # steps closed so far; events belong to step `step + 1` until the next boundary
 
     def __post_init__(self) -> None:
@@ -121,7 +122,20 @@ class HostSyncs:
     @property
     def per_step(self) -> list[int]:
         """Host reads per closed step (the reads before the first boundary belong to step 1)."""
-        counts = Counter(e.step for e in self.events)
+        return self._per_step(self.events)
+
+    @property
+    def cuda_warnings(self) -> int:
+        """Syncs that ``torch.cuda.set_sync_debug_mode`` reported, torch's own kernels' included (CUDA only)."""
+        return len(self.torch_syncs)
+
+    @property
+    def torch_per_step(self) -> list[int]:
+        """Syncs per closed step as torch's sync debug mode saw them (CUDA only; zeros elsewhere)."""
+        return self._per_step(self.torch_syncs)
+
+    def _per_step(self, events: list[HostSync]) -> list[int]:
+        counts = Counter(e.step for e in events)
         return [counts.get(step, 0) for step in range(1, self.step + 1)]
 
     def mark_step(self) -> None:
@@ -139,8 +153,11 @@ class HostSyncs:
         lines = [f"{n} x {kind} at {where}" + ("" if thread == "main" else f" ({thread} thread)")
                  for (kind, where, thread), n in counts.most_common()]
         head = f"{len(chosen)} host read(s) of device values over {self.step} step(s): {self.per_step}"
-        if self.cuda_warnings:
-            head += f"; torch.cuda.set_sync_debug_mode reported {self.cuda_warnings}"
+        torch_chosen = [e for e in self.torch_syncs if wanted is None or e.step in wanted]
+        if torch_chosen:
+            head += f"; torch.cuda.set_sync_debug_mode reported {len(torch_chosen)}: {self.torch_per_step}"
+            torch_counts = Counter(e.where for e in torch_chosen)
+            lines += [f"{n} x torch sync at {where}" for where, n in torch_counts.most_common()]
         return "\n".join([head, *("  " + line for line in lines)])
 
     def _record(self, kind: str, blocking: bool = True) -> None:
@@ -161,15 +178,19 @@ def _caller() -> str:
         frame = frame.f_back
     if frame is None:
         return "?"
-    parts = Path(frame.f_code.co_filename).parts
-    if "site-packages" in parts:  # a library: deepspeed/runtime/utils.py
+    return f"{_short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _short_path(filename: str) -> str:
+    """deepspeed/runtime/utils.py for a library, vlmfast/... for ours, else the file's name."""
+    parts = Path(filename).parts
+    if "site-packages" in parts:
         parts = parts[parts.index("site-packages") + 1:]
     elif "vlmfast" in parts[:-1]:
         parts = parts[len(parts) - 1 - parts[::-1].index("vlmfast"):]
     else:
         parts = parts[-1:]
-    short = "/".join(parts)
-    return f"{short}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return "/".join(parts)
 
 
 class _Tags:
@@ -261,7 +282,7 @@ class _DispatchCounter(TorchDispatchMode):
             return func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
         on_device = [self.tags.is_device(t) for t in inputs]
-        if any(on_device):
+        if any(on_device) and not getattr(_COUNTED_READ, "active", False):
             self._count(func, args, kwargs, inputs)
         out = func(*args, **kwargs)
         if any(on_device):  # what is computed from a device value is one too (for copy_: the destination)
@@ -302,7 +323,11 @@ class _FunctionCounter(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _HOST_METHODS and self.tags.is_device(args[0]):
             self.syncs._record(_HOST_METHODS[func])
-            out = func(*args, **kwargs)
+            _COUNTED_READ.active = True  # on CUDA .tolist() dispatches its copy to the host: one read, not two
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                _COUNTED_READ.active = False
             if out is args[0]:  # .cpu() on the CPU aliases; the host copy it stands for is a host value
                 out = out.clone()
                 self.tags.untag(out)
@@ -405,18 +430,24 @@ def _follow_threads(syncs: HostSyncs, tags: _Tags) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _cuda_sync_debug(syncs: HostSyncs) -> Iterator[None]:
-    """torch.cuda.set_sync_debug_mode("warn") for the block; its warnings are counted, others passed on."""
+    """torch.cuda.set_sync_debug_mode("warn") for the block; each of its warnings is recorded in the step it happened
+    in, with the first frame outside torch that led to it; other warnings are passed on."""
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        passed_on = warnings.showwarning
+
+        def record(message: Any, category: Any, filename: str, lineno: int, *args: Any, **kwargs: Any) -> None:
+            if _CUDA_SYNC_WARNING not in str(message):
+                passed_on(message, category, filename, lineno, *args, **kwargs)
+                return
+            event = HostSync("torch sync", _caller(), syncs.step + 1, _thread_name())
+            with syncs._lock:
+                syncs.torch_syncs.append(event)
+
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
         try:
             yield
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    for warning in caught:
-        if _CUDA_SYNC_WARNING in str(warning.message):
-            syncs.cuda_warnings += 1
-        else:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-

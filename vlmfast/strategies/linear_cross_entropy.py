@@ -637,7 +637,10 @@ class ChunkedLossModel:
             ours, _ = _chunk_logits(hidden, head.weight, getattr(head, "bias", None), self.source.transform,
                                     _compute_dtype(hidden.dtype))
         theirs = logits.to(ours.dtype).reshape(ours.shape)
-        tolerance = 1e-4 if hidden.dtype in (torch.float32, torch.float64) else 3e-2
+        # The coarser of the two sides sets the tolerance: under bf16 autocast the model's head gives bf16 logits
+        # from fp32 hidden states (seen on an H200: 2e-3 to 4e-3 apart, exact loss).
+        exact = all(x.dtype in (torch.float32, torch.float64) for x in (hidden, logits))
+        tolerance = 1e-4 if exact else 3e-2
         error = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-6))
         if not math.isfinite(error) or error > tolerance:
             raise ValueError(
