@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("vlmfast", "torch", "transformers", "accelerate", "pydantic", "pydantic_core", "lightning_fabric",
-            "lightning", "peft", "deepspeed", "flash_attn", "webdataset", "safetensors", "numpy", "pytest")
+PACKAGES = ("vlmfast", "torch", "transformers", "accelerate", "pydantic", "pydantic_core", "lightning_fabric", "peft",
+            "deepspeed", "flash_attn", "webdataset", "safetensors", "numpy", "pytest")
 
 
 def versions() -> dict[str, str | None]:

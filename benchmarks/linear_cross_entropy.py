@@ -44,6 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, write_result
 
+from vlmfast.utils import resolve_device
+
 # standard: the model's own head + loss; chunked: recompute in backward (the default); chunked_in_forward: the
 # gradients computed in forward and kept (recompute: false, Liger's way).
 VARIANTS = ("standard", "chunked", "chunked_in_forward")
@@ -78,9 +80,8 @@ def _loss_path_bytes(model: torch.nn.Module, hidden: torch.Tensor, labels: torch
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
-    """One process: warm-up, timed steps, saved bytes, peak RSS."""
+    """One process: warm-up, timed steps, saved bytes, peak memory (RSS; allocated on CUDA)."""
     from vlmfast.hooks import apply_linear_cross_entropy
-    from vlmfast.utils import resolve_device
 
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -178,8 +179,6 @@ def main() -> None:
     config = {k: getattr(args, k) for k in ("vocab", "hidden", "tokens", "layers", "chunk_tokens", "ignored", "steps",
                                             "rounds", "threads", "device", "precision")}
     name = "linear_cross_entropy" + (f"_ignored{args.ignored:g}" if args.ignored else "")
-    from vlmfast.utils import resolve_device
-
     path = write_result(name, resolve_device(args.device),
                         {"config": config, "summary": summary, "runs": runs}, args.out)
     print(json.dumps(summary, indent=2))

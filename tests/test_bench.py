@@ -130,3 +130,16 @@ def test_every_vlmfast_configuration_is_a_valid_spec(device_type):
         if config.contender == "vlmfast":
             TrainSpec(**_deep_merge({"device": "cpu", "max_steps": 2}, config.settings.spec))
     assert best_spec(device_type)
+
+
+def test_without_leaves_a_strategy_out_of_every_best_row_alike():
+    """`--without compile` (a short GPU lease): no best row compiles, vlmfast's or the other tools'; the rest stays."""
+    full = {c.name: c for c in build_configs("cuda")}
+    lease = {c.name: c for c in build_configs("cuda", ["compile"])}
+    assert full["vlmfast-best"].settings.spec["compile"]["enabled"] and full["hf-best"].settings.compile
+    assert "compile" not in lease["vlmfast-best"].settings.spec and "compile" not in lease["vlmfast-best"].description
+    assert not any(lease[name].settings.compile for name in ("accelerate-best", "hf-best", "fabric-best"))
+    assert lease["vlmfast-best"].settings.spec["precision"] == "bf16" and lease["hf-best"].settings.precision == "bf16"
+    assert lease["vlmfast+compile"].settings.spec == full["vlmfast+compile"].settings.spec  # its own row stays
+    with pytest.raises(ValueError, match=r"unknown strategy.*'complie'.*choose from"):
+        build_configs("cuda", ["complie"])

@@ -29,7 +29,9 @@ def wheels(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("wheels")
     run = subprocess.run(["bash", str(SCRIPT), "prepare", "--dest", str(dest)], env={**os.environ,
                          "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
-    if run.returncode and "pydantic" not in " ".join(p.name for p in dest.glob("*.whl")):
+    unreachable = ("Temporary failure in name resolution", "Network is unreachable", "Failed to establish a new "
+                   "connection", "Max retries exceeded")
+    if run.returncode and any(sign in run.stderr for sign in unreachable):  # no network: nothing to rehearse
         pytest.skip(f"PyPI unreachable here: {run.stderr[-500:]}")
     assert run.returncode == 0, run.stderr[-2000:]
     return dest

@@ -156,32 +156,29 @@ def _sdpa_per_document(q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs)
 def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs) -> Tensor:
     cu, max_len = inputs.documents.cu_seqlens()
     b, h, t, d = q.shape
-    if inputs.scale is not None and not _varlen_takes("scale"):  # torch 2.10: scale fixed at 1/sqrt(d)
+    varlen_attn = _varlen_attn()
+    takes = _keywords(varlen_attn)  # torch/nn/attention/varlen.py: 2.10 is_causal; 2.11 scale, window_size; later
+    if inputs.scale is not None and "scale" not in takes:  # enable_gqa. 2.10 fixes the scale at 1/sqrt(d)
         q = q * (inputs.scale * d**0.5)
     flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[-1]) for x in (q, k, v)]  # [B*T, H, D]
-    options: dict[str, Any] = {"scale": inputs.scale} if _varlen_takes("scale") else {}
-    if _varlen_takes("window_size"):  # torch >= 2.11: causal is the window (-1, 0)
+    options: dict[str, Any] = {"scale": inputs.scale} if "scale" in takes else {}
+    if "window_size" in takes:  # torch >= 2.11: causal is the window (-1, 0)
         options["window_size"] = (-1, 0) if inputs.causal else (-1, -1)
-    else:  # torch 2.10: is_causal
+    else:
         options["is_causal"] = inputs.causal
     if k.shape[1] != h:  # grouped-query attention
-        if _varlen_takes("enable_gqa"):
+        if "enable_gqa" in takes:
             options["enable_gqa"] = True
-        else:  # torch <= 2.11 has no enable_gqa: repeat each K/V head for its query heads (HF's repeat_kv order)
+        else:  # no enable_gqa (torch <= 2.11): repeat each K/V head for its query heads (HF's repeat_kv order)
             flat[1:] = [x.repeat_interleave(h // x.shape[1], dim=1) for x in flat[1:]]
-    out = _varlen_attn()(*flat, cu, cu, max_len, max_len, **options)
+    out = varlen_attn(*flat, cu, cu, max_len, max_len, **options)
     return out.reshape(b, t, h, v.shape[-1]).transpose(1, 2)
 
 
 @functools.cache
-def _varlen_parameters(function: Callable[..., Tensor]) -> frozenset[str]:
+def _keywords(function: Callable[..., Tensor]) -> frozenset[str]:
+    """The parameter names of `function` (this torch's varlen_attn), read once."""
     return frozenset(inspect.signature(function).parameters)
-
-
-def _varlen_takes(name: str) -> bool:
-    """Whether this torch's ``varlen_attn`` has keyword `name`: its signature changed in 2.10, 2.11 and after
-    (torch/nn/attention/varlen.py: 2.10 ``is_causal``; 2.11 ``scale``, ``window_size``; later ``enable_gqa``)."""
-    return name in _varlen_parameters(_varlen_attn())
 
 
 def sdpa_kernel_context(kernels: tuple[str, ...] | list[str]) -> Any:
