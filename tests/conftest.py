@@ -160,6 +160,7 @@ def spawn_two_ranks(worker, tmp_path, name: str, *args) -> list:
 
 def _rank_main(rank: int, worker, port: int, out: str, args: tuple) -> None:
     import os
+    import sys
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -168,3 +169,9 @@ def _rank_main(rank: int, worker, port: int, out: str, args: tuple) -> None:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+    # The result is on disk: leave without interpreter finalization, where gloo's worker threads can still hold
+    # work with tensors of a failed step (a DDP reduction left unfinished) and abort the process (SIGABRT, "terminate
+    # called without an active exception"; pytorch/pytorch#179291). A worker's exception above still reaches spawn.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -167,6 +167,23 @@ def test_workers_of_an_epoch_started_by_the_prefetch_thread_exit_cleanly():
     assert torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[5])
 
 
+class FailsAtStep:
+    def on_step_end(self, trainer, metrics):
+        if metrics["step"] == 2:
+            raise RuntimeError("boom")
+
+
+def test_a_fit_that_raises_stops_its_prefetch_thread_and_loader_workers():
+    spec = TrainSpec(max_steps=6, batch_size=4, micro_batch_size=4, log={"progress": "off"},
+                     data={"device_prefetch": True, "num_workers": 1})
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(32), spec, callbacks=[FailsAtStep()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("vlmfast-prefetch")]
+    assert alive == [], "a failed fit left its prefetch thread loading batches"
+    assert trainer.loader.source._iterator is None  # the loader's workers were shut down
+
+
 @pytest.mark.gpu
 def test_prefetch_copies_on_a_side_stream_from_pinned_memory():
     if not torch.cuda.is_available():

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-from conftest import TinyCausalLM, TokenDataset
+from conftest import TinyCausalLM, TokenDataset, spawn_two_ranks
 
 from vlmfast import OptimizedTrainer, TrainSpec
 
@@ -24,36 +23,20 @@ def params(model):
     return {n: p.detach().clone() for n, p in getattr(model, "module", model).named_parameters()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out: str, overrides: dict, model_kind: str) -> None:
-    # What torchrun sets: the trainer must find the process group from these alone.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _train(overrides: dict, model_kind: str) -> dict:
+    torch.manual_seed(0)
+    model = UnusedHead() if model_kind == "unused" else TinyCausalLM()
+    trainer = OptimizedTrainer(model, TokenDataset(64), spec(4, 2, **overrides))
     try:
-        torch.manual_seed(0)
-        model = UnusedHead() if model_kind == "unused" else TinyCausalLM()
-        trainer = OptimizedTrainer(model, TokenDataset(64), spec(4, 2, **overrides))
-        try:
-            result = trainer.fit()
-        except RuntimeError as exc:
-            torch.save({"error": str(exc)}, f"{out}.{rank}")
-            return
-        torch.save({"params": params(trainer.model), "losses": [m["loss"] for m in result.history],
-                    "ddp": type(trainer.model).__name__}, f"{out}.{rank}")
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        result = trainer.fit()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"params": params(trainer.model), "losses": [m["loss"] for m in result.history],
+            "ddp": type(trainer.model).__name__}
 
 
 def run_two_ranks(tmp_path, name, overrides=None, model_kind="tiny"):
-    out = str(tmp_path / name)
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), out, overrides or {}, model_kind), nprocs=2)
-    return [torch.load(f"{out}.{rank}") for rank in range(2)]
+    return spawn_two_ranks(_train, tmp_path, name, overrides or {}, model_kind)
 
 
 def single_process(micro_batch_size=4):

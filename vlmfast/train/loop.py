@@ -165,6 +165,7 @@ class OptimizedTrainer:
         try:
             return self._fit()
         finally:
+            getattr(self.loader, "close", lambda: None)()  # the prefetch thread and loader workers, even on error
             if save_dir_lock is not None:
                 save_dir_lock.release()
 
@@ -226,7 +227,6 @@ class OptimizedTrainer:
             if self.is_main_process:
                 metrics_logger.write(result.report.to_text())
                 self._write_report(metrics_logger.whole_run(result.report))  # report.json: all sessions
-        getattr(self.loader, "close", lambda: None)()  # the prefetch thread, if any
         self._fire("on_fit_end", result)
         return result
 
