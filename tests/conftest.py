@@ -80,14 +80,15 @@ def tiny_llama(seed: int = 0):
 IMAGE_TOKEN = 63
 
 
-def tiny_llava(seed: int = 0):
+def tiny_llava(seed: int = 0, text_hidden: int = 32, text_layers: int = 2, vision_layers: int = 2):
     """A Hugging Face LLaVA (CLIP vision tower + projector + Llama) from a tiny config: 4 image tokens."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     vision = transformers.CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
-                                           num_hidden_layers=2, num_attention_heads=4)
-    text = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                           num_hidden_layers=vision_layers, num_attention_heads=4)
+    text = transformers.LlamaConfig(vocab_size=64, hidden_size=text_hidden, intermediate_size=2 * text_hidden,
+                                    num_hidden_layers=text_layers, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=64)
     config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
     return transformers.LlavaForConditionalGeneration(config)
 
@@ -138,6 +139,16 @@ def assert_gradients_close(actual, expected, rtol: float = 1e-5, names=None) -> 
     for name, a, e in zip(names, actual, expected, strict=True):
         worst = float((a - e).abs().max()) if e.numel() else 0.0
         assert worst <= rtol * scale, f"{name}: largest error {worst:.2e} > {rtol} x the gradient's largest entry"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP spin-waits cost 50x:
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

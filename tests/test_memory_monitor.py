@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -164,13 +165,20 @@ def test_monitor_reads_memory_itself_when_the_metrics_have_none():
 def test_record_history_and_snapshot_call_the_cuda_allocator(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(("record", k)))
-    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    def dump(path):
+        calls.append(("dump", Path(path).name))
+        Path(path).write_bytes(b"snapshot")
+
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
     monitor = MemoryMonitor(MemorySpec(record_history=True, timeline_plot=False), "cuda:0", tmp_path)
     monitor.start()
     assert monitor.dump_snapshot() == tmp_path / "memory_snapshot.pickle"
     monitor.finish()
+    # torch writes by name into a private folder (vlmfast.safe_files.library_output), then it is moved into place
     assert calls == [("record", {"max_entries": 100_000, "device": torch.device("cuda:0")}),
-                     ("dump", str(tmp_path / "memory_snapshot.pickle")), ("record", {"enabled": None})]
+                     ("dump", "memory_snapshot.pickle"), ("record", {"enabled": None})]
+    assert (tmp_path / "memory_snapshot.pickle").read_bytes() == b"snapshot"
+    assert [p.name for p in tmp_path.iterdir()] == ["memory_snapshot.pickle"]
 
 
 def test_snapshot_is_a_logged_no_op_on_cpu(tmp_path, caplog):

@@ -65,9 +65,9 @@ def test_optimizer_fields_reach_the_optimizer(optimizer, check):
 
 def test_data_fields_reach_the_dataloader():
     loader = trainer_for(data={"num_workers": 1, "pin_memory": True, "persistent_workers": True,
-                               "prefetch_factor": 3, "drop_last": False}).loader.loader
+                               "prefetch_factor": 3, "drop_last": False, "timeout_s": 7}).loader.loader
     assert (loader.num_workers, loader.pin_memory, loader.persistent_workers, loader.prefetch_factor,
-            loader.drop_last) == (1, True, True, 3, False)
+            loader.drop_last, loader.timeout) == (1, True, True, 3, False, 7)
 
 
 def test_unshuffled_data_keeps_the_dataset_order():

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from conftest import assert_gradients_close
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from vlmfast import OptimizedTrainer, TrainSpec
@@ -37,14 +38,35 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _fit(tmp_path, cache: bool, *, frozen=FROZEN_ALL, samples=32, steps=8, collate=None, **extra):
+def _fit(tmp_path, cache: bool, *, frozen=FROZEN_ALL, samples=32, steps=8, collate=None, image_by_image=False,
+         **extra):
+    """`image_by_image`: the tower runs on one image per call (another matmul blocking than the plain run's
+    micro-batches of 4): the comparisons must hold under any blocking, as on a CPU with other kernels."""
     model, dataset, default = _task(samples, frozen=frozen)
+    if image_by_image:
+        _run_image_by_image(model.vision_tower)
     spec = {"max_steps": steps, "batch_size": 8, "micro_batch_size": 4, "device": "cpu", "log": {"progress": "off"},
-            "optimizer": {"freeze": list(frozen)}, "vision_cache": {"enabled": cache, "dir": str(tmp_path / "cache")},
-            **extra}
+            # SGD: weights linear in the gradients, so last-bit differences stay last-bit (AdamW divides a gradient
+            # that is zero in exact arithmetic, such as an attention key bias's, by its own noise: +-lr per step)
+            "optimizer": {"name": "sgd", "lr": 0.05, "freeze": list(frozen)},
+            "vision_cache": {"enabled": cache, "dir": str(tmp_path / "cache")}, **extra}
     trainer = OptimizedTrainer(model, dataset, TrainSpec(**spec), collate_fn=collate or default)
     result = trainer.fit()
     return trainer, result
+
+
+def _run_image_by_image(tower: torch.nn.Module) -> None:
+    whole = tower.forward
+    tower.forward = lambda pixel_values: torch.cat([whole(image[None]) for image in pixel_values])
+
+
+def assert_same_training(result, other, trainer=None, other_trainer=None) -> None:
+    """Same losses (relative 1e-5) and, given the trainers, the same weights (norm-relative 1e-5, float64): what
+    holds on any CPU, whatever batch sizes the tower's matmuls see (never bit-equality)."""
+    losses, others = ([h["loss"] for h in r.history] for r in (result, other))
+    assert others == pytest.approx(losses, rel=1e-5)
+    if trainer is not None:
+        assert_gradients_close(_weights(other_trainer.engine.module), _weights(trainer.engine.module), rtol=1e-5)
 
 
 def _cache_of(trainer) -> FeatureCache:
@@ -56,13 +78,12 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 # ---- the promise: same losses and gradients, the tower skipped from epoch 2 ------------------------------------
+@pytest.mark.parametrize("image_by_image", [False, True], ids=["same blocking", "tower image by image"])
 @pytest.mark.parametrize("frozen", [FROZEN_ALL, ["vision_tower"]], ids=["tower+projector", "tower"])
-def test_two_epochs_same_losses_and_weights_and_epoch_two_all_hits(tmp_path, frozen):
+def test_two_epochs_same_losses_and_weights_and_epoch_two_all_hits(tmp_path, frozen, image_by_image):
     plain, plain_result = _fit(tmp_path, False, frozen=frozen)
-    cached, cached_result = _fit(tmp_path, True, frozen=frozen)
-    assert [h["loss"] for h in cached_result.history] == [h["loss"] for h in plain_result.history]
-    base, other = _weights(plain.engine.module), _weights(cached.engine.module)
-    assert all(torch.equal(base[k], other[k]) for k in base)  # 8 AdamW steps on bit-equal gradients
+    cached, cached_result = _fit(tmp_path, True, frozen=frozen, image_by_image=image_by_image)
+    assert_same_training(plain_result, cached_result, plain, cached)  # 8 SGD steps
     epoch2 = cached_result.history[4:]
     assert [h["vision_cache/misses"] for h in epoch2] == [0] * 4
     assert [h["vision_cache/hits"] for h in epoch2] == [8] * 4
@@ -108,7 +129,7 @@ def test_hand_loop_gradients_equal_every_step_with_keys_from_loader_workers(tmp_
         return out
 
     for plain, cached in zip(grads_per_step(False), grads_per_step(True), strict=True):
-        assert plain.keys() == cached.keys() and all(torch.equal(plain[k], cached[k]) for k in plain)
+        assert_gradients_close(cached, plain, rtol=1e-5)
 
 
 def test_keys_from_a_trainer_collate_fn(tmp_path):
@@ -250,19 +271,15 @@ def _loss_and_grads(model, batch):
 
 
 def _check_hf(tmp_path, model, first, mixed, expected_unit):
-    """Uncached loss and gradients, then cached: all misses and all hits bit-equal; a mix within 1e-6 (the tower
-    then runs on the missed images alone, and a batch of another size may round differently in the last bit)."""
+    """Uncached loss and gradients, then cached (all misses, all hits, a mix: the tower then runs on the missed
+    images alone, a batch of another size): the same within 1e-5, norm-relative over the whole gradient."""
     expected = [_loss_and_grads(model, b) for b in (first, first, mixed)]
     cache = cache_vision_features(model, tmp_path)
     assert cache.unit.name == expected_unit
-    for call, (batch, (loss, grads)) in enumerate(zip((first, first, mixed), expected, strict=True)):
+    for batch, (loss, grads) in zip((first, first, mixed), expected, strict=True):
         got_loss, got_grads = _loss_and_grads(model, batch)
-        assert grads.keys() == got_grads.keys()
-        if call < 2:
-            assert torch.equal(got_loss, loss) and all(torch.equal(grads[k], got_grads[k]) for k in grads)
-        else:
-            flat, got = (torch.cat([g[k].double().flatten() for k in sorted(grads)]) for g in (grads, got_grads))
-            assert abs(got_loss.item() - loss.item()) <= 1e-6 and (got - flat).norm() <= 1e-6 * flat.norm()
+        assert got_loss.item() == pytest.approx(loss.item(), rel=1e-5)
+        assert_gradients_close(got_grads, grads, rtol=1e-5)
     assert cache.stats.hits > 0 and cache.stats.misses > cache.stats.stored - 1
     cache.remove()
     return cache
@@ -367,7 +384,8 @@ def _ddp_worker(cache_dir: str) -> dict:
     for use_cache in (False, True):
         model, dataset, collate = _task(32)
         spec = TrainSpec(max_steps=4, batch_size=8, device="cpu", log={"progress": "off"},
-                         optimizer={"freeze": FROZEN_ALL}, vision_cache={"enabled": use_cache, "dir": cache_dir},
+                         optimizer={"name": "sgd", "lr": 0.05, "freeze": FROZEN_ALL},
+                         vision_cache={"enabled": use_cache, "dir": cache_dir},
                          save={"dir": tempfile.mkdtemp(), "resume": "never"})
         trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)
         result = trainer.fit()
@@ -383,21 +401,22 @@ def test_ddp_two_ranks_share_one_store(tmp_path):
 
     ranks = spawn_two_ranks(_ddp_worker, tmp_path, "ddp", str(tmp_path / "cache"))
     for rank in ranks:
-        assert rank[True]["losses"] == rank[False]["losses"]
-        assert all(torch.equal(rank[True]["weights"][k], v) for k, v in rank[False]["weights"].items())
+        assert rank[True]["losses"] == pytest.approx(rank[False]["losses"], rel=1e-5)
+        assert_gradients_close(rank[True]["weights"], rank[False]["weights"], rtol=1e-5)
         # 16 samples per rank: epoch 1 = steps 1-2 (step 1's hits are the label-convention probe's re-read)
         assert rank[True]["hits"][1:] == [0, 8, 8]
     names = {p.name for p in next((tmp_path / "cache").iterdir()).glob("w*.idx")}
     assert {"w0.idx", "w1.idx"} <= names  # each rank wrote its own entries
 
 
-def test_resume_reads_the_store_and_continues_exactly(tmp_path):
+@pytest.mark.parametrize("image_by_image", [False, True], ids=["same blocking", "tower image by image"])
+def test_resume_reads_the_store_and_continues_exactly(tmp_path, image_by_image):
     _, plain = _fit(tmp_path / "plain", False)
     save = {"dir": str(tmp_path / "ckpt"), "every_steps": 4, "resume": "auto"}
-    _fit(tmp_path, True, steps=4, save=save)
-    trainer, resumed = _fit(tmp_path, True, steps=8, save=save)
+    _fit(tmp_path, True, steps=4, save=save, image_by_image=image_by_image)
+    trainer, resumed = _fit(tmp_path, True, steps=8, save=save, image_by_image=image_by_image)
     assert resumed.resumed_from is not None
-    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in plain.history][4:]
+    assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in plain.history][4:], rel=1e-5)
     assert [h["vision_cache/hits"] for h in resumed.history][1:] == [8] * 3  # step 1 adds the label probe's hits
     assert _cache_of(trainer).stats.misses == 32  # the first run's, restored with the checkpoint
 
@@ -406,8 +425,8 @@ def test_resume_reads_the_store_and_continues_exactly(tmp_path):
                                    {"activation_checkpointing": {"enabled": True}}], ids=["packing", "checkpointing"])
 def test_with_packing_or_activation_checkpointing(tmp_path, extra):
     _, plain = _fit(tmp_path, False, **extra)
-    _, cached = _fit(tmp_path, True, **extra)
-    assert [h["loss"] for h in cached.history] == [h["loss"] for h in plain.history]
+    _, cached = _fit(tmp_path, True, image_by_image=True, **extra)
+    assert_same_training(plain, cached)
     assert sum(h["vision_cache/hits"] for h in cached.history[4:]) == 32
 
 
@@ -415,7 +434,7 @@ def test_with_torch_compile_of_the_whole_model(tmp_path):
     """The cached call is a graph break (eager lookups) inside the compiled forward."""
     _, plain = _fit(tmp_path, False, samples=16, steps=4)
     _, cached = _fit(tmp_path, True, samples=16, steps=4, compile={"enabled": True, "backend": "aot_eager"})
-    assert [h["loss"] for h in cached.history] == pytest.approx([h["loss"] for h in plain.history], abs=1e-6)
+    assert_same_training(plain, cached)
     assert [h["vision_cache/hits"] for h in cached.history][1:] == [0, 8, 8]  # step 1 adds the label probe's hits
     assert any(s.startswith("torch.compile: whole model") for s in cached.report.strategies)
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from vlmfast.safe_files import open_for_writing
 from vlmfast.save_dir import SaveDirLock, format_bytes, leftover_is_abandoned, temp_name
 from vlmfast.sections import SpecError
 
@@ -184,7 +185,7 @@ def staging_dir(directory: str | Path, step: int, world_size: int = 1) -> Path:
 def _write_synced(path: Path, write: Any) -> str:
     """Write through `write(file)`, fsync; returns the SHA-256 of the bytes written (hashed on the way, so the
     manifest need not read the file back)."""
-    with open(path, "wb") as f:
+    with open_for_writing(path, "wb", what="checkpoint file") as f:  # in our temporary folder; no link followed anyway
         hashing = _HashingWriter(f)
         write(hashing)
         f.flush()
@@ -274,6 +275,7 @@ def verify_checkpoint(path: str | Path) -> None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"{manifest_path} cannot be read ({type(exc).__name__}: {exc}): the checkpoint "
                                      f"cannot be verified. {_DELETE_ADVICE}") from exc
+    _check_manifest_entries(folder, files)
     on_disk = {p.relative_to(folder).as_posix(): p for p in _files_under(folder)}
     on_disk.pop(MANIFEST_FILE, None)
     extra = sorted(set(on_disk) - set(files))
@@ -287,6 +289,25 @@ def verify_checkpoint(path: str | Path) -> None:
     for rel, expected in files.items():
         _verify_file(folder / rel, expected)
     _remember_verified(folder)
+
+
+def _check_manifest_entries(folder: Path, files: Any) -> None:
+    """Every manifest entry is a plain relative name of a file inside `folder`: no absolute path, no `..`, nothing
+    that resolves outside through a link. Otherwise verifying would read (and loading trust) a file elsewhere."""
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"checkpoint {folder}: its manifest's 'files' is not a mapping. {_DELETE_ADVICE}")
+    root = folder.resolve()
+    for rel in files:
+        parts = rel.split("/") if isinstance(rel, str) else []
+        plain = bool(rel) and not any(p in ("", ".", "..") for p in parts) and "\\" not in rel and "\0" not in rel
+        if plain:
+            resolved = (folder / rel).resolve()
+            plain = resolved != root and resolved.is_relative_to(root)
+        if not plain:
+            raise CorruptCheckpointError(
+                f"checkpoint {folder}: its manifest lists {rel!r}, which is not a plain relative name of a file inside "
+                f"the checkpoint (absolute paths, '..' and links leading out are refused), so nothing is read or "
+                f"loaded: the manifest was not written by vlmfast's save. {_DELETE_ADVICE}")
 
 
 def _signature(files: dict[str, Path]) -> tuple[Any, ...]:
@@ -446,7 +467,8 @@ REFUSED_ON_RESUME: dict[str, str] = {
     "engine": "the checkpoint holds another engine's state layout",
     "deepspeed.zero_stage": "the checkpoint holds another ZeRO stage's shards",
 }
-ALLOWED_ON_RESUME = ("optimizer.implementation",)  # the kernel choice: not part of the optimizer state
+# The kernel choice (not part of the optimizer state); accepting a changed data set (said in its own warning).
+ALLOWED_ON_RESUME = ("optimizer.implementation", "save.accept_data_change")
 # Allowed, but they change what is trained from here on: said in a warning (other changes are logged as info).
 CHANGES_TRAINING_ON_RESUME = ("max_steps", "precision", "grad_clip", "loss.weighting", "loss.shift_labels",
                               "loss.ignore_index", "loss.label_key", "packing.enabled", "packing.max_tokens")

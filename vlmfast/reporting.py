@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -26,8 +27,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vlmfast.profiling.phase_timer import percentile
+from vlmfast.safe_files import open_fd, refuse_symlink, write_atomic
 from vlmfast.spec import LogSpec
-from vlmfast.tracking import open_trackers
+from vlmfast.tracking import close_trackers, open_trackers
 
 # The one definition of "step time" the report prints (the profiler's phase split uses its timed steps only).
 STEP_TIME_DEFINITION = "wall clock from one optimizer step's end to the next's, data wait included"
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.json"
+TRACKER_FOLDERS = ("wandb", "mlruns")  # where W&B and a local MLflow store write under log.dir (vlmfast.tracking)
 
 
 class MetricsLogger:
@@ -48,6 +51,9 @@ class MetricsLogger:
         self.initial_step = initial_step
         self._fd: int | None = None
         self._tensorboard = None
+        if enabled and spec.dir is not None:  # before anything is opened: a planted link fails the run at its start
+            for name in (METRICS_FILE, REPORT_FILE, *TRACKER_FOLDERS):
+                refuse_symlink(Path(spec.dir) / name, "log.dir entry")
         # W&B / MLflow get the records metrics.jsonl gets; `config` (the spec) is their run's parameters.
         self._trackers = open_trackers(spec, config) if enabled else []
         self._failed: str | None = None  # the first write error, warned once
@@ -59,7 +65,11 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 # purge_step: events of steps after the resumed one (logged before a kill) are hidden, as in the JSONL
-                self._tensorboard = SummaryWriter(log_dir=str(spec.dir), purge_step=initial_step + 1)
+                # A random suffix: no one can plant a link at the event file's name in advance (TensorBoard opens
+                # it by name, truncating); checked once it exists.
+                self._tensorboard = SummaryWriter(log_dir=str(spec.dir), purge_step=initial_step + 1,
+                                                  filename_suffix=f".{secrets.token_hex(6)}")
+                _check_event_file(self._tensorboard)
         show = {"on": True, "off": False, "auto": sys.stderr.isatty()}[spec.progress]
         self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
                          disable=not (enabled and show))
@@ -67,7 +77,7 @@ class MetricsLogger:
     @staticmethod
     def _open_truncated(path: Path, initial_step: int) -> int | None:
         """Open metrics.jsonl for appending, cut after the last whole line of a step <= `initial_step`."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = open_fd(path, os.O_RDWR | os.O_APPEND, what="log.dir file")  # never through a link (vlmfast.safe_files)
         keep, dropped = _lines_up_to(path, initial_step)
         if dropped:
             os.ftruncate(fd, keep)  # shrinking needs no free space
@@ -99,8 +109,14 @@ class MetricsLogger:
                         self._tensorboard.add_scalar(key if "/" in key else f"train/{key}", value, step)
             except OSError as exc:
                 self._warn_failed("TensorBoard events", exc)
-        for tracker in self._trackers:
-            tracker.log(metrics, step)
+        for tracker in list(self._trackers):
+            try:
+                tracker.log(metrics, step)
+            except Exception as exc:  # a tracker's store gone read-only or offline: training goes on, said once
+                self._trackers.remove(tracker)
+                log.warning("log.%s failed at step %d (%s: %s): training goes on without it; metrics.jsonl keeps "
+                            "every step", tracker.name, step, type(exc).__name__, exc)
+                close_trackers([tracker])
 
     def _append(self, line: bytes) -> None:
         """One whole line or nothing: a failed write is cut back, so the file never holds half a line."""
@@ -157,8 +173,8 @@ class MetricsLogger:
                 self._tensorboard.close()
             except OSError as exc:
                 self._warn_failed("TensorBoard events", exc)
-        for tracker in self._trackers:
-            tracker.close()
+        for failure in close_trackers(self._trackers):
+            log.warning(failure)
         self._trackers = []
 
     def __enter__(self) -> MetricsLogger:
@@ -166,6 +182,17 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_event_file(writer: Any) -> None:
+    """Refuse TensorBoard's event file if it turned out to be a link (closing the writer first)."""
+    name = getattr(getattr(writer.file_writer, "event_writer", None), "_file_name", None)
+    try:
+        if name is not None:
+            refuse_symlink(name, "TensorBoard event file")
+    except BaseException:
+        writer.close()
+        raise
 
 
 def _lines_up_to(path: Path, step: int) -> tuple[int, int]:
@@ -293,13 +320,10 @@ class RunReport:
 
     def write_json(self, path: Path) -> None:
         """Write atomically (a temporary file, then a rename); a failure is a warning, never the end of the run."""
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str))
-            tmp.replace(path)
+        try:  # a link at `path` is refused (UnsafeOutputError), not warned about
+            write_atomic(path, json.dumps(self.to_dict(), indent=2, default=str), what="log.dir file")
         except OSError as exc:
             log.warning("cannot write %s (%s): the report is printed above only", path, exc.strerror or exc)
-            tmp.unlink(missing_ok=True)
 
     @classmethod
     def from_history(

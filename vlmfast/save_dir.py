@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from vlmfast.safe_files import open_fd, open_for_writing, refuse_symlink
 from vlmfast.sections import SpecError
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class _Holder:
     @classmethod
     def take(cls, path: Path) -> _Holder:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_fd(path, os.O_RDWR, what="save.dir lock file")  # a planted link is refused, never followed
         except OSError as exc:
             raise OutputDirError(f"save.dir {path.parent}: cannot create its lock file {path.name} ({exc.strerror}): "
                                  "make the folder writable or choose another save.dir") from exc
@@ -237,12 +238,14 @@ def check_output_dirs(spec: Any) -> None:
     raises a SpecError naming the field. Creates nothing."""
     for field, directory in (("save.dir", spec.save.dir), ("log.dir", spec.log.dir)):
         if directory is not None:
-            _check_dir(field, Path(directory))
+            check_output_dir(field, Path(directory))
     if spec.save.dir is not None:
         _check_entries(Path(spec.save.dir))
+        refuse_symlink(Path(spec.save.dir) / LOCK_FILE, "save.dir lock file")
 
 
-def _check_dir(field: str, directory: Path) -> None:
+def check_output_dir(field: str, directory: Path) -> None:
+    """`directory` is (or can be created as) a folder this process can write; else a SpecError naming `field`."""
     if directory.is_symlink() and not directory.exists():
         raise OutputDirError(f"{field} {directory} is a symbolic link to {os.readlink(directory)}, which does not "
                              f"exist: create that folder, remove the link, or set {field} to another folder")
@@ -267,7 +270,7 @@ def _check_dir(field: str, directory: Path) -> None:
 def _probe_write(field: str, directory: Path) -> None:
     probe = directory / f".vlmfast-write-test-{os.getpid()}"
     try:
-        with open(probe, "wb") as f:
+        with open_for_writing(probe, "wb", what=f"{field} write test file") as f:
             f.write(b"ok")
         probe.unlink()
     except OSError as exc:

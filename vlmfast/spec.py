@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from vlmfast.sections import Section, SpecError, set_root
 from vlmfast.strategies.ema import EMASpec
 from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropySpec
+from vlmfast.strategies.lora import LoRASpec
 from vlmfast.strategies.vision_cache import VisionCacheSpec
 from vlmfast.tracking import MLflowSpec, WandbSpec
 
@@ -286,6 +287,11 @@ class DataSpec(Section):
         0.01, ge=0, le=1, description="stop with an error naming the sample (or shard) when more than this share of "
         "samples (over at least 100) is unreadable or does not fit its batch; they are skipped and counted until then"
     )
+    timeout_s: float = Field(
+        600.0, ge=0, allow_inf_nan=False, description="stop with a DataLoaderTimeoutError naming the worker and "
+        "sample indices when a batch takes longer than this to load (the final checkpoint is written first, on one "
+        "rank); 0: wait forever. Enforced with and without worker processes and under device_prefetch (docs/data.md)"
+    )
 
     @field_validator("num_workers")
     @classmethod
@@ -314,6 +320,11 @@ class SaveSpec(Section):
         "auto", description="'auto': newest complete checkpoint in dir if any; 'never'; or a checkpoint path"
     )
     on_interrupt: bool = Field(True, description="SIGTERM / Ctrl-C writes a final checkpoint before exiting")
+    accept_data_change: bool = Field(
+        False, description="resume even though the training data differs from the checkpoint's (its fingerprint: "
+        "length, per-sample lengths, a hash of a few samples, the sampler's settings); the data position is mapped "
+        "onto the new data and the change is logged. Off: such a resume is refused, naming what changed"
+    )
     async_: bool = Field(
         False, alias="async", description="the step waits only for a copy of the state in host memory; writing, "
         "fsync, the manifest and the rename run in a background thread (one save in flight; the next save and the "
@@ -511,6 +522,7 @@ class TrainSpec(Section):
     data: DataSpec = Field(default_factory=DataSpec)
     packing: PackingSpec = Field(default_factory=PackingSpec)
     vision_cache: VisionCacheSpec = Field(default_factory=VisionCacheSpec)
+    lora: LoRASpec = Field(default_factory=LoRASpec)
     save: SaveSpec = Field(default_factory=SaveSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     log: LogSpec = Field(default_factory=LogSpec)
@@ -679,11 +691,12 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def check_environment(spec: TrainSpec) -> None:
-    """Fail before any work when the machine cannot run the spec (fp16 or a CUDA device without CUDA, a save.dir or
-    log.dir that cannot be written)."""
+    """Fail before any work when the machine cannot run the spec (fp16 or a CUDA device without CUDA, a save.dir,
+    log.dir or tracker store that cannot be written, a tracker's package missing)."""
     import torch
 
     from vlmfast.save_dir import check_output_dirs
+    from vlmfast.tracking import check_trackers
     from vlmfast.utils import resolve_device
 
     check_output_dirs(spec)
@@ -692,11 +705,7 @@ def check_environment(spec: TrainSpec) -> None:
         raise SpecError(f"device '{spec.device}': CUDA is not available on this machine; use device: auto or cpu")
     if spec.precision == "fp16" and device.type != "cuda":
         raise SpecError("precision 'fp16' needs a CUDA device (autocast + GradScaler); on CPU use precision: bf16")
-    if spec.log.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError as exc:
-            raise SpecError("log.tensorboard is on but tensorboard is not installed: pip install tensorboard") from exc
+    check_trackers(spec.log)  # TensorBoard, W&B, MLflow: package present, local store writable
 
 
 def defaults_yaml() -> str:

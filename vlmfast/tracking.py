@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from vlmfast.sections import Field, Section
+from vlmfast.sections import Field, Section, SpecError
 
-__all__ = ["MLflowSpec", "MLflowTracker", "Tracker", "WandbSpec", "WandbTracker", "numeric_metrics", "open_trackers"]
+__all__ = ["MLflowSpec", "MLflowTracker", "Tracker", "TrackerError", "WandbSpec", "WandbTracker", "check_trackers",
+           "close_trackers", "numeric_metrics", "open_trackers"]
 
 log = logging.getLogger(__name__)
 
@@ -121,34 +122,101 @@ def mlflow_tracking_uri(spec: MLflowSpec, log_dir: Path | None) -> str:
 
     A local folder needs MLflow's file store, which MLflow 3 keeps in maintenance mode behind
     ``MLFLOW_ALLOW_FILE_STORE=true``; that variable is set for this process when unset (and said so)."""
-    uri = spec.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if uri is None:
-        uri = (Path(log_dir) if log_dir is not None else Path.cwd()).resolve().joinpath("mlruns").as_uri()
+    uri = _mlflow_uri(spec, log_dir)
     if (uri.startswith("file:") or "://" not in uri) and "MLFLOW_ALLOW_FILE_STORE" not in os.environ:
         os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
         log.info("log.mlflow: a local folder (%s) uses MLflow's file store; set MLFLOW_ALLOW_FILE_STORE=true for "
-                 "this process (MLflow 3 asks for it). Use a sqlite:/// or http:// tracking_uri for a database", uri)
+                 "this process (MLflow 3 asks for it); to read it: MLFLOW_ALLOW_FILE_STORE=true mlflow ui "
+                 "--backend-store-uri %s. Use a sqlite:/// or http:// tracking_uri for a database", uri, uri)
     return uri
 
 
-def open_trackers(spec: Any, config: Mapping[str, Any] | None = None) -> list[Tracker]:
-    """The trackers `spec` (a LogSpec) enables, opened; their writes go under `spec.dir` unless told otherwise."""
-    trackers: list[Tracker] = []
+def _mlflow_uri(spec: MLflowSpec, log_dir: Path | None) -> str:
+    uri = spec.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is None:
+        uri = (Path(log_dir) if log_dir is not None else Path.cwd()).resolve().joinpath("mlruns").as_uri()
+    return uri
+
+
+def _mlflow_local_folder(uri: str) -> Path | None:
+    """The folder a local MLflow store writes (a file store, or a sqlite database's folder); None for a server."""
+    from urllib.parse import unquote, urlparse
+
+    if "://" not in uri:
+        return Path(uri)
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    if parsed.scheme == "sqlite" and uri.startswith("sqlite:///"):  # sqlite:///rel.db, sqlite:////abs/path.db
+        return Path(unquote(uri[len("sqlite:///"):])).parent
+    return None
+
+
+class TrackerError(SpecError):
+    """An enabled tracker cannot start (package missing, folder not writable, its own set-up failed)."""
+
+
+def check_trackers(spec: Any) -> None:
+    """Fail before any work when an enabled tracker cannot start: its package missing or the local folder it writes
+    not writable; the error names the field and the fix. Creates nothing. Usage: ``check_trackers(spec.log)``."""
+    from vlmfast.save_dir import check_output_dir
+
+    if spec.tensorboard:
+        _require("tensorboard", "log.tensorboard", "tensorboard", import_now=False)
     if spec.wandb.enabled:
-        trackers.append(WandbTracker(spec.wandb, spec.dir, config))
+        _require("wandb", "log.wandb", "wandb", import_now=False)
+        if spec.dir is None:  # under log.dir it is checked with log.dir
+            check_output_dir("log.dir (unset: W&B writes to the working folder)", Path.cwd())
     if spec.mlflow.enabled:
-        trackers.append(MLflowTracker(spec.mlflow, spec.dir, config))
+        _require("mlflow", "log.mlflow", "mlflow", import_now=False)
+        folder = _mlflow_local_folder(_mlflow_uri(spec.mlflow, spec.dir))
+        if folder is not None:
+            check_output_dir("log.mlflow.tracking_uri (a local store)", folder)
+
+
+def open_trackers(spec: Any, config: Mapping[str, Any] | None = None) -> list[Tracker]:
+    """The trackers `spec` (a LogSpec) enables, opened; their writes go under `spec.dir` unless told otherwise.
+    When one fails to open, those already open are closed (no run left half open) and a TrackerError names it."""
+    trackers: list[Tracker] = []
+    kinds = [(kind, getattr(spec, field)) for kind, field in ((WandbTracker, "wandb"), (MLflowTracker, "mlflow"))]
+    for kind, section in kinds:
+        if not section.enabled:
+            continue
+        try:
+            trackers.append(kind(section, spec.dir, config))
+        except Exception as exc:
+            close_trackers(trackers)
+            if isinstance(exc, TrackerError):
+                raise
+            raise TrackerError(f"log.{kind.name} could not start its run ({type(exc).__name__}: {exc}); fix it or "
+                               f"turn log.{kind.name}.enabled off") from exc
     return trackers
 
 
-def _require(module: str, field: str, extra: str) -> Any:
+def close_trackers(trackers: list[Tracker]) -> list[str]:
+    """Close every tracker even when one fails; returns the failures, one line each (the caller warns)."""
+    failures = []
+    for tracker in trackers:
+        try:
+            tracker.close()
+        except Exception as exc:  # one tracker's failure never leaves the others open
+            failures.append(f"log.{tracker.name}: closing failed ({type(exc).__name__}: {exc})")
+    return failures
+
+
+def _require(module: str, field: str, extra: str, import_now: bool = True) -> Any:
     import importlib
+    import importlib.util
 
     try:
+        if not import_now:
+            if importlib.util.find_spec(module) is None:
+                raise ImportError(module)
+            return None
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"{field}.enabled needs {module}: pip install 'vlmfast[{extra}]' (or turn {field} off)"
-                          ) from exc
+        raise TrackerError(f"{field} is on but {module} is not installed: pip install 'vlmfast[{extra}]' (or "
+                           f"pip install {extra}), or turn {field} off") from exc
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -19,17 +19,27 @@ from vlmfast.data.sample_checks import SampleCheck, special_token_ids, vocabular
 VOCAB = 50
 
 
-class VocabLM(TinyCausalLM):
-    """TinyCausalLM that says its vocabulary (as Hugging Face models do) and takes optional pixel values."""
+class ImageLM(TinyCausalLM):
+    """TinyCausalLM that takes optional pixel values; its vocabulary is not declared anywhere (no
+    get_input_embeddings, no config), and a position embedding of another size runs before the token embedding."""
 
-    def get_input_embeddings(self):
-        return self.embed
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = torch.nn.Embedding(512, 4)
 
     def forward(self, input_ids, labels=None, attention_mask=None, pixel_values=None):
         out = super().forward(input_ids, labels, attention_mask)
+        out["loss"] = out["loss"] + 0 * self.positions(torch.arange(input_ids.shape[1])).sum()
         if pixel_values is not None:  # the image reaches the loss, as in a VLM
             out["loss"] = out["loss"] + 1e-3 * pixel_values.mean()
         return out
+
+
+class VocabLM(ImageLM):
+    """ImageLM that says its vocabulary (as Hugging Face models do)."""
+
+    def get_input_embeddings(self):
+        return self.embed
 
 
 class Spoiled(torch.utils.data.Dataset):
@@ -64,6 +74,34 @@ def test_a_bad_sample_stops_the_run_naming_it_with_check_samples_error(spoil):
     torch.manual_seed(0)
     with pytest.raises(BadSampleError, match=rf"sample 5: {message}.*data.check_samples: skip"):
         train(make_spec(max_steps=8, data={"check_samples": "error", "shuffle": False}), VocabLM(), Spoiled(make))
+
+
+@pytest.mark.parametrize("spoil,index", [("token id beyond the vocabulary", 5), ("label beyond the vocabulary", 5),
+                                         ("token id beyond the vocabulary", 0)])  # 0: the probe's own sample
+def test_a_model_that_declares_no_vocabulary_gets_it_learned_from_the_embedding_its_ids_reach(spoil, index):
+    make, message = SPOILS[spoil]
+    torch.manual_seed(0)
+    with pytest.raises(BadSampleError, match=rf"sample {index}: {message}"):  # not a raw IndexError deep in torch
+        train(make_spec(max_steps=8, data={"check_samples": "error", "shuffle": False}), ImageLM(),
+              Spoiled(make, index))
+
+
+def test_the_vocabulary_probe_stops_at_the_token_embedding_and_changes_nothing():
+    from vlmfast.data.sample_checks import embedding_reached_by_ids
+
+    model = ImageLM().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = {"input_ids": torch.tensor([[3, 4, 5]]), "labels": torch.tensor([[3, 4, 5]])}
+    assert vocabulary_sizes(model) == (None, None)
+    assert embedding_reached_by_ids(model, batch) == VOCAB  # not the 512 positions that ran first
+    assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    placeholders = {**batch, "input_ids": torch.tensor([[-200, 4, 5]])}  # replaced by the model before embedding
+
+    class Replacing(ImageLM):
+        def forward(self, input_ids, **kw):
+            return super().forward(input_ids.clamp(min=0), **kw)
+
+    assert embedding_reached_by_ids(Replacing(), placeholders) == VOCAB
 
 
 @pytest.mark.parametrize("spoil", ["float input_ids", "label beyond the vocabulary", "NaN pixels"])

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from vlmfast.safe_files import library_output, write_atomic
+
 __all__ = ["comparison_markdown", "device_dir", "environment", "headroom_markdown", "plot_comparison",
            "plot_headroom", "update_doc", "write_results"]
 
@@ -56,9 +58,10 @@ def write_results(result: dict[str, Any], out_dir: str | Path, name: str) -> dic
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_atomic(paths["json"], json.dumps(result, indent=2, default=str) + "\n", what="bench result")
     is_headroom = result.get("benchmark") == "headroom"
-    paths["md"].write_text((headroom_markdown(result) if is_headroom else comparison_markdown(result)) + "\n")
+    write_atomic(paths["md"], (headroom_markdown(result) if is_headroom else comparison_markdown(result)) + "\n",
+                 what="bench result")
     if is_headroom:
         paths["png"] = plot_headroom(result, out / f"{name}.png")
     else:
@@ -177,7 +180,7 @@ def update_doc(doc: str | Path, key: str, markdown: str) -> bool:
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
     if not pattern.search(text):
         return False
-    path.write_text(pattern.sub(lambda _: f"{start}\n{markdown}\n{end}", text))
+    write_atomic(path, pattern.sub(lambda _: f"{start}\n{markdown}\n{end}", text), what="document")
     return True
 
 
@@ -203,7 +206,8 @@ def _bar_chart(labels: list[str], values: list[float], colors: list[str], xlabel
     for y, (value, note) in enumerate(zip(values[::-1], notes[::-1], strict=True)):
         ax.text(value, y, f" {value:.3g}{note}", va="center", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with library_output(path, what="bench chart") as tmp:  # matplotlib writes by name: a folder of our own
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return path
 

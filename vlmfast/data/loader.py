@@ -16,6 +16,11 @@ Usage::
     loader = ResumableLoader(dataset, 16, DataSpec(), 0, collate, micro_batch_size=4)   # yields SampleBatch
     loader.autotune.reason                     # with num_workers auto: the choice and why (also logged)
     loader.sample_counts()                     # {"samples": 120, "bad": 1}
+    loader.fingerprint()                       # {"length": 120, "samples_sha": ..., "batch_size": 16, ...}
+
+A batch that takes longer than ``data.timeout_s`` to load raises :class:`~vlmfast.data.timeout.DataLoaderTimeoutError`
+naming the batch's sample indices (and the worker); without worker processes the batch is loaded in a background
+thread so that the caller is never the one stuck (see vlmfast.data.timeout).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,9 +37,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from vlmfast.data.autotune import AutotuneResult, autotune_num_workers
 from vlmfast.data.bad_samples import BadSampleCounts, CheckedCollate, IndexedDataset
+from vlmfast.data.fingerprint import data_fingerprint
 from vlmfast.data.micro_batches import SampleBatch, SampleCollate
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.data.samplers import LengthGroupedSampler, check_groupable, dataset_lengths
+from vlmfast.data.timeout import DataLoaderTimeoutError, LoaderThread, timeout_message, wait_for
 from vlmfast.spec import DataSpec
 from vlmfast.train.interrupt import stop_signals_blocked, worker_ignores_stop_signals
 
@@ -108,6 +116,15 @@ class ResumableLoader:
         self.sampler: EpochSampler | LengthGroupedSampler | None = None
         self.autotune: AutotuneResult | None = None  # with num_workers auto: the measured choice and why
         self.bad_samples = BadSampleCounts()  # samples read / bad ones skipped (a user DataLoader's: not seen)
+        self.data, self.world_size, self.timeout_s = data, world_size, spec.timeout_s
+        self._sampler_settings = {"batch_size": batch_size, "shuffle": spec.shuffle, "seed": seed,
+                                  "drop_last": spec.drop_last, "world_size": world_size,
+                                  "group_by_length": spec.group_by_length}
+        self._fingerprint: dict[str, Any] | None = None
+        # data.timeout_s without worker processes: loads run in this thread, the caller waits with the timeout
+        self._thread: LoaderThread | None = None
+        self._progress = 0.0  # when the last underlying batch arrived (a resume's skipped batches count as progress)
+        self._failed: DataLoaderTimeoutError | None = None
         check_groupable(data, spec.group_by_length)  # a stream or a user DataLoader cannot be reordered
         if isinstance(data, DataLoader):
             if data.batch_size is not None and data.batch_size != batch_size:
@@ -121,6 +138,9 @@ class ResumableLoader:
             if world_size > 1 and not hasattr(data.sampler, "set_epoch"):
                 log.warning("%d ranks share a user DataLoader without a DistributedSampler: every rank may see the "
                             "same batches; pass the Dataset instead and vlmfast shards it", world_size)
+            if data.num_workers > 0 and not data.timeout and spec.timeout_s:
+                data.timeout = spec.timeout_s  # the DataLoader's own timeout covers its workers
+            self._watch_loads(data.num_workers)
             return
         stream = isinstance(data, IterableDataset)
         # Bad samples (unreadable, wrong keys or shapes) are dropped from their batch and counted, or named in an error.
@@ -159,6 +179,21 @@ class ResumableLoader:
                 data.reset_counts()
             self.bad_samples.reset()
         self.loader = build(num_workers)
+        self._watch_loads(num_workers)
+
+    def _watch_loads(self, num_workers: int) -> None:
+        """Without workers, batches load in a background thread and the caller waits data.timeout_s at most."""
+        if num_workers == 0 and self.timeout_s:
+            self._thread = LoaderThread("vlmfast-loader")
+
+    def take_over_timeout(self) -> float | None:
+        """For a caller that loads from its own background thread (device prefetch): stop loading in a thread of
+        this loader's and return the timeout the caller must enforce (None: the DataLoader's workers enforce it)."""
+        if self._thread is None:
+            return None
+        self._thread.shutdown()
+        self._thread = None
+        return self.timeout_s
 
     @staticmethod
     def _configure_stream(data: IterableDataset, spec: DataSpec, world_size: int) -> None:
@@ -172,6 +207,19 @@ class ResumableLoader:
         return self
 
     def __next__(self) -> Any:
+        if self._failed is not None:  # a load is stuck (abandoned in its thread, or a worker): no more batches
+            raise self._failed
+        if self._thread is None:
+            return self._next()
+        self._progress = time.monotonic()
+        try:
+            return wait_for(self._thread.submit(self._next), self.timeout_s, self.describe_pending,
+                            progress=lambda: self._progress)
+        except DataLoaderTimeoutError as exc:
+            self._failed = exc
+            raise
+
+    def _next(self) -> Any:
         for _ in range(2):  # at most one epoch boundary per call
             if self._iterator is None:
                 self._iterator = self._start_epoch()
@@ -182,6 +230,12 @@ class ResumableLoader:
                 self.epoch += 1
                 self.batch_in_epoch = 0
                 continue
+            except RuntimeError as exc:  # a worker's batch did not come within the DataLoader's timeout
+                if "DataLoader timed out" not in str(exc):
+                    raise
+                self._failed = DataLoaderTimeoutError(timeout_message(self.timeout_s or self.loader.timeout,
+                                                                      self.describe_pending()))
+                raise self._failed from exc
             self.batch_in_epoch += 1
             if isinstance(batch, SampleBatch):  # not pickled with every batch: attached on this side
                 batch.collate_fn, batch.on_resize = self.collate_fn, self.set_micro_batch_size
@@ -204,7 +258,48 @@ class ResumableLoader:
                         "deterministic)", self.batch_in_epoch, self.epoch)
             for _ in range(self.batch_in_epoch):
                 next(iterator)
+                self._progress = time.monotonic()  # each skipped batch is progress (data.timeout_s is per batch)
         return iterator
+
+    def describe_pending(self) -> str:
+        """The batch being loaded: its sample indices (from the sampler), its place in the epoch, and the DataLoader
+        worker it was sent to. Usage: in the DataLoaderTimeoutError's message."""
+        where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
+        if self.sampler is not None:
+            start = self.batch_in_epoch * self.batch_size
+            where = f"the samples at indices {self.sampler._indices()[start:start + self.batch_size]} ({where})"
+        task = getattr(self._iterator, "_task_info", {}).get(getattr(self._iterator, "_rcvd_idx", None))
+        if task:
+            where += f" in DataLoader worker {task[0]}"
+        elif self._thread is not None:
+            where += " in the main process (num_workers: 0)"
+        return where
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The data's fingerprint (vlmfast.data.fingerprint), computed once: saved in checkpoints, compared on
+        resume. Its sample reads are bounded by data.timeout_s too."""
+        if self._fingerprint is None:
+            self._fingerprint = data_fingerprint(self.data, self._sampler_settings, read=self._read_bounded)
+        return self._fingerprint
+
+    def _read_bounded(self, read: Callable[[], Any], index: int) -> Any:
+        if not self.timeout_s:
+            return read()
+        thread = LoaderThread("vlmfast-fingerprint")
+        try:
+            return wait_for(thread.submit(read), self.timeout_s,
+                            lambda: f"sample {index} (read for the data fingerprint, before any step)")
+        finally:
+            thread.shutdown(wait=False)
+
+    def batches_per_epoch(self, length: int | None) -> int | None:
+        """Batches per epoch on this rank for a dataset of `length` samples (None: unknown, a stream)."""
+        if length is None:
+            return None
+        loader = self.loader
+        batch_size = loader.batch_size or self.batch_size
+        per_rank = length // self.world_size if self.sampler is not None else length
+        return per_rank // batch_size if loader.drop_last else -(-per_rank // batch_size)
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
         """Collate the batches still to come at this size (a SampleBatch asks when it is split at another)."""
@@ -217,6 +312,8 @@ class ResumableLoader:
 
     def close(self) -> None:
         """Shut the loader's worker processes down now (they would otherwise live until garbage collection)."""
+        if self._thread is not None:  # not joined: a load still running (stuck, or cut short by Ctrl-C) is abandoned
+            self._thread.shutdown(wait=False)  # later batches start a new thread (still bounded by data.timeout_s)
         for iterator in (self._iterator, getattr(self.loader, "_iterator", None)):  # persistent workers: the latter
             shutdown = getattr(iterator, "_shutdown_workers", None)
             if shutdown is not None:
@@ -235,6 +332,7 @@ def _loader_kwargs(spec: DataSpec, pin_memory: bool, num_workers: int, persisten
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
     if num_workers > 0:
         kwargs["persistent_workers"] = persistent
+        kwargs["timeout"] = spec.timeout_s  # a batch not back from its worker in time: an error naming it
         # A scheduler's SIGTERM to the process group is the main process's to handle (a final checkpoint).
         kwargs["worker_init_fn"] = functools.partial(worker_ignores_stop_signals, main_pid=os.getpid())
         if spec.prefetch_factor is not None:

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vlmfast.safe_files import open_for_writing
+
 TOKEN_DTYPES = (np.uint8, np.uint16, np.uint32, np.int64)
 
 
@@ -51,7 +53,7 @@ def write_token_sequences(
     offsets = [0]
     tmp_bin = bin_path.with_name(bin_path.name + ".tmp")
     try:
-        with open(tmp_bin, "wb") as out:
+        with open_for_writing(tmp_bin, "wb", what="token file") as out:  # never through a link
             for index, sequence in enumerate(sequences):
                 ids = _checked_ids(index, sequence, dtype)
                 out.write(ids.astype(dtype).tobytes())
@@ -60,7 +62,7 @@ def write_token_sequences(
         tmp_bin.unlink(missing_ok=True)  # nothing half-written is left behind; an existing dataset is untouched
         raise
     _save_npy_atomic(idx_path, np.asarray(offsets, dtype=np.int64))
-    os.replace(tmp_bin, bin_path)
+    os.replace(tmp_bin, bin_path)  # a link at bin_path is replaced itself, never followed
     return bin_path, idx_path
 
 
@@ -152,8 +154,9 @@ class MemmapTensorDataset(Dataset[dict[str, torch.Tensor]]):
 
 def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
     tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
+    with open_for_writing(tmp, "wb", what="token index") as f:  # never through a link
+        np.save(f, array)
+    os.replace(tmp, path)  # a link at `path` is replaced itself, never followed
 
 
 def _dtype_from_size(bin_path: Path, num_tokens: int) -> np.dtype:

@@ -16,6 +16,10 @@ which costs a round trip per tensor) leaves the step's critical path; PIL decodi
 so on CPU the thread overlaps the step too. The resume position stays exact: ``state_dict()`` is the source's
 position after the batches handed out, not after the one already prefetched.
 
+With ``timeout_s`` (the trainer passes data.timeout_s when no DataLoader worker enforces it) the caller waits that
+long at most for a batch, then a DataLoaderTimeoutError names the batch (the source's ``describe_pending()``); the
+thread is a daemon, so a load stuck forever is abandoned, not joined, at exit.
+
 Usage::
 
     batches = DevicePrefetcher(loader, torch.device("cuda"))          # any iterator of nested tensor batches
@@ -32,7 +36,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -40,6 +44,7 @@ from accelerate.utils import recursively_apply
 
 from vlmfast.data.batch import move_to_device
 from vlmfast.data.micro_batches import SampleBatch
+from vlmfast.data.timeout import DataLoaderTimeoutError, LoaderThread, wait_for
 from vlmfast.spec import DataSpec
 
 log = logging.getLogger(__name__)
@@ -72,8 +77,11 @@ class DevicePrefetcher:
         prefetch: bool = True,
         background: bool = True,
         depth: int = 2,
+        timeout_s: float | None = None,
     ) -> None:
         self.source = source
+        self.timeout_s = timeout_s if prefetch and background else None  # in the caller's thread: nothing to wait on
+        self._failed: DataLoaderTimeoutError | None = None
         self.device = torch.device(device)
         self.transform = transform
         self.prefetch = prefetch
@@ -81,8 +89,7 @@ class DevicePrefetcher:
         self.stream = torch.cuda.Stream(device=self.device) if use_stream else None
         # One thread: next(source) (collation, or receiving from DataLoader workers) and the copy leave the step's
         # critical path; decoding and torch ops release the GIL, so this overlaps even on CPU.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="vlmfast-prefetch") if prefetch and background \
-            else None
+        self._executor = LoaderThread("vlmfast-prefetch") if prefetch and background else None
         self.depth = depth if prefetch else 0  # batches loaded ahead: more than one absorbs jitter in load times
         self._pending: deque[Future | tuple[Any, Any, Any, Any]] = deque()
         self._state: dict[str, Any] | None = None  # the source's position after the batches handed out
@@ -99,6 +106,10 @@ class DevicePrefetcher:
         return getattr(self.source, name)
 
     def __next__(self) -> Any:
+        if self._failed is not None:
+            raise self._failed
+        if not self._pending and self.timeout_s and self._executor is not None:  # the first batch too: bounded wait
+            self._pending.append(self._executor.submit(self._load))
         batch, state, copied, host = self._collect() if self._pending else self._load()
         if batch is _EXHAUSTED:
             raise StopIteration
@@ -120,8 +131,19 @@ class DevicePrefetcher:
         return host if handed_out is batch and host is not None else batch
 
     def _collect(self) -> tuple[Any, Any, Any, Any]:
-        pending = self._pending.popleft()
-        return pending.result() if isinstance(pending, Future) else pending
+        pending = self._pending[0]
+        if isinstance(pending, Future):
+            try:
+                pending = wait_for(pending, self.timeout_s, self._describe_pending)
+            except DataLoaderTimeoutError as exc:
+                self._failed = exc  # the load stays stuck in the thread: it is abandoned, never waited for again
+                raise
+        self._pending.popleft()
+        return pending
+
+    def _describe_pending(self) -> str:
+        describe = getattr(self.source, "describe_pending", None)
+        return f"{describe() if describe is not None else 'the next batch'} (device prefetch thread)"
 
     def _load(self) -> tuple[Any, dict[str, Any] | None, Any, Any]:
         """(device batch, source position after it, the side-stream event its copies complete at or None, the host
@@ -150,10 +172,11 @@ class DevicePrefetcher:
     def close(self) -> None:
         """Finish the loads in flight, stop the background thread and close the host loader (its workers); later
         batches load in the caller's thread (the doctor reads a few after training, to measure padding)."""
-        while self._pending:
+        while self._pending and self._failed is None:
             self._collect()
+        self._pending.clear()
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=self._failed is None)
             self._executor = None
         getattr(self.source, "close", lambda: None)()
 
@@ -206,7 +229,10 @@ def device_batches(loader: Iterator[Any], spec: DataSpec, device: torch.device) 
         from vlmfast.data.images import BatchImagePreprocessor
 
         transform = BatchImagePreprocessor(spec.device_image_size, spec.image_mean, spec.image_std, spec.image_key)
-    return DevicePrefetcher(loader, device, transform=transform, prefetch=True)
+    # Loads run in the prefetch thread: data.timeout_s is enforced there unless the DataLoader's workers enforce it.
+    take_over = getattr(loader, "take_over_timeout", None)
+    timeout_s = take_over() if take_over is not None else spec.timeout_s
+    return DevicePrefetcher(loader, device, transform=transform, prefetch=True, timeout_s=timeout_s)
 
 
 def host_batch(source: Any, batch: Any) -> Any:

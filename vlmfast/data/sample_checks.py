@@ -6,7 +6,8 @@ What is checked (on CPU tensors only: nothing is copied from or synchronised wit
   embedding with a traceback about dtypes;
 - token ids are below the vocabulary (or one of the special ids the model's config declares, e.g.
   ``image_token_id``), and labels are ``ignore_index`` or in ``[0, vocab)``, when the model's vocabulary is known
-  (``get_input_embeddings()``, or ``config.vocab_size``): an id beyond the vocabulary is otherwise an index error
+  (``get_input_embeddings()``, ``config.vocab_size``, else the first embedding a probe batch's ids reach in the
+  forward): an id beyond the vocabulary is otherwise an index error
   deep in the embedding (on CUDA, a device-side assert that kills the process). Negative token ids are left alone:
   models use them as image placeholders (LLaVA's -200);
 - pixel values (floating tensors under a key containing ``pixel`` or ``image``) are finite: one NaN image otherwise
@@ -26,7 +27,7 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +49,13 @@ class SampleCheck:
     special_ids: frozenset[int] = frozenset()  # ids at or beyond the vocabulary the model replaces itself
 
     @classmethod
-    def for_model(cls, model: nn.Module, label_key: str = "labels", ignore_index: int = -100) -> SampleCheck:
-        """The check with `model`'s vocabulary (when it can be read off the model)."""
+    def for_model(cls, model: nn.Module, label_key: str = "labels", ignore_index: int = -100,
+                  probe_batch: Callable[[], Any] | None = None) -> SampleCheck:
+        """The check with `model`'s vocabulary: read off the model, else learned from the first embedding a probe
+        batch's ids reach (`probe_batch` returns one collated batch on the model's device, or None)."""
         vocab, out_vocab = vocabulary_sizes(model)
+        if vocab is None and probe_batch is not None:
+            vocab = embedding_reached_by_ids(model, probe_batch())
         return cls(vocab, label_key, ignore_index, out_vocab, special_token_ids(model))
 
     def problem(self, batch: Any) -> str | None:
@@ -110,6 +115,62 @@ def _image_tensors(batch: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor
         for item in items:
             if isinstance(item, torch.Tensor) and item.is_floating_point() and item.device.type == "cpu":
                 yield str(key), item
+
+
+class _Reached(Exception):
+    """Stops the probe forward at the embedding the ids reach: nothing after it runs."""
+
+
+def embedding_reached_by_ids(model: nn.Module, batch: Any, key: str = "input_ids") -> int | None:
+    """The size of the first ``nn.Embedding`` that `batch[key]` reaches in `model`'s forward, or None
+    (:func:`embedding_module_reached_by_ids`)."""
+    module = embedding_module_reached_by_ids(model, batch, key)
+    return module.num_embeddings if module is not None else None
+
+
+def embedding_module_reached_by_ids(model: nn.Module, batch: Any, key: str = "input_ids") -> nn.Embedding | None:
+    """The first ``nn.Embedding`` that `batch[key]` reaches in `model`'s forward, or None.
+
+    Learned, not guessed from names: a forward pre-hook on every embedding; the first one whose input holds the
+    batch's ids (the tensor itself, or equal wherever the ids are valid rows: a model may first replace placeholder
+    ids such as LLaVA's -200) ends the forward there. Nothing runs past that embedding (no gradient, no statistics)."""
+    ids = batch.get(key) if isinstance(batch, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+        return None
+    found: list[nn.Embedding] = []
+
+    def reached(module: nn.Embedding, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        given = args[0] if args else kwargs.get("input")
+        if isinstance(given, torch.Tensor) and _same_ids(given, ids, module.num_embeddings):
+            found.append(module)
+            raise _Reached
+
+    hooks = [m.register_forward_pre_hook(reached, with_kwargs=True) for m in model.modules()
+             if isinstance(m, nn.Embedding)]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()  # a tower that runs before the embedding keeps its statistics
+    try:
+        with torch.no_grad():
+            model(**batch)
+    except _Reached:
+        pass
+    except Exception:  # the probe is best effort: without it, ids are not range-checked (as before)
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, training in modes:
+            module.training = training
+    return found[0] if found else None
+
+
+def _same_ids(given: torch.Tensor, ids: torch.Tensor, rows: int) -> bool:
+    if given is ids:
+        return True
+    if given.shape != ids.shape or given.is_floating_point() or given.device != ids.device:
+        return False
+    valid = (ids >= 0) & (ids < rows)
+    return bool(valid.any()) and torch.equal(given[valid], ids[valid])
 
 
 def special_token_ids(model: nn.Module) -> frozenset[int]:

@@ -50,6 +50,7 @@ from vlmfast.data.bad_samples import (
     BadSampleError,
     TooManyBadSamplesError,
 )
+from vlmfast.safe_files import open_for_writing
 
 __all__ = ["BadSampleError", "CaptionTokens", "ShardDataset", "TooManyBadSamplesError", "write_shards"]
 
@@ -183,7 +184,7 @@ class _AtomicShardFiles:
         self.streams: dict[str, io.BufferedWriter] = {}
 
     def open(self, name: str) -> io.BufferedWriter:
-        self.streams[name] = stream = open(name + ".part", "wb")  # noqa: SIM115 (closed in close())
+        self.streams[name] = stream = open_for_writing(name + ".part", "wb", what="shard")  # closed in close()
         return stream
 
     def close(self, name: str) -> None:

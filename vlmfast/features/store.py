@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlmfast.safe_files import open_fd, write_atomic
+
 __all__ = ["KEY_BYTES", "Entry", "FeatureStore", "store_summaries"]
 
 KEY_BYTES = 16
@@ -202,7 +204,7 @@ class FeatureStore:
         import fcntl
 
         for slot in range(MAX_WRITERS):
-            fd = os.open(self.path / f"w{slot}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_fd(self.path / f"w{slot}.lock", os.O_RDWR, what="feature cache lock")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -214,7 +216,7 @@ class FeatureStore:
 
     def _open_writer(self, slot: int) -> None:
         index = self.path / f"w{slot}.idx"
-        self._index_fd = os.open(index, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self._index_fd = open_fd(index, os.O_RDWR | os.O_APPEND, what="feature cache index")
         whole = self._index_read.get(slot, 0)
         if os.fstat(self._index_fd).st_size != whole:  # a torn record from a killed writer
             os.ftruncate(self._index_fd, whole)
@@ -252,7 +254,7 @@ class FeatureStore:
             return mapped
         path = self.path / f"w{writer}-{segment}.bin"
         own = writer == self.writer
-        fd = os.open(path, os.O_RDWR | os.O_CREAT if own else os.O_RDONLY, 0o644)
+        fd = open_fd(path, os.O_RDWR, what="feature cache segment") if own else os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if own and size < self.segment_bytes:
@@ -288,9 +290,7 @@ def _align(n: int) -> int:
 def _write_meta(path: Path, meta: dict[str, Any]) -> None:
     if path.exists():
         return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(meta, indent=1, sort_keys=True, default=str), what="feature cache meta")
 
 
 def store_summaries(root: str | Path) -> Iterable[tuple[Path, int, dict[str, Any]]]:

@@ -34,6 +34,7 @@ from vlmfast.callbacks import Callback, OptimizedTrainer
 from vlmfast.memory.allocator import OOMSnapshots
 from vlmfast.memory.leaks import LeakDetector, LeakWarning, TensorKind, live_tensor_census, tensor_growth
 from vlmfast.memory.stats import GB, memory_stats
+from vlmfast.safe_files import library_output, open_for_writing
 from vlmfast.spec import MemorySpec
 
 if TYPE_CHECKING:
@@ -174,10 +175,11 @@ class MemoryMonitor(Callback):
         path.parent.mkdir(parents=True, exist_ok=True)
         at_failure = self.oom_snapshots.take() if self.oom_snapshots is not None else None
         if at_failure is not None:
-            with path.open("wb") as f:  # the format torch.cuda.memory._dump_snapshot writes
+            with open_for_writing(path, "wb", what="memory snapshot") as f:  # as torch.cuda.memory._dump_snapshot
                 pickle.dump(at_failure, f)
         else:
-            torch.cuda.memory._dump_snapshot(str(path))
+            with library_output(path, what="memory snapshot") as tmp:  # torch writes by name: a folder of our own
+                torch.cuda.memory._dump_snapshot(str(tmp))
         history = "" if self._recording else " (segments only: set memory.record_history for allocation stacks)"
         when = " taken at the out-of-memory failure" if at_failure is not None else ""
         log.warning("CUDA memory snapshot%s written to %s%s; open it at %s", when, path, history, SNAPSHOT_VIEWER)

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vlmfast.safe_files import library_output
+
 # metric -> (label, line style); the order is the drawing order: peak first, wide and pale, so a current-memory
 # line that reaches the peak (as it does under a leak) stays visible on top of it
 SERIES = {
@@ -43,5 +45,6 @@ def plot_memory_timeline(timeline: Iterable[Mapping[str, Any]], path: str | Path
         ax.legend(loc="lower right")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
+    with library_output(path, what="memory plot") as tmp:  # matplotlib writes by name: a folder of our own
+        fig.savefig(tmp, format="png")
     return path

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from typing import Any
 
 from vlmfast.cli_jobs import add_job_arguments, build_spec, load_task, run_task, task_job
+from vlmfast.safe_files import open_for_writing
 
 __all__ = ["add_doctor_command", "run_doctor"]
 
@@ -50,7 +51,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         return 0
     print(report["text"])
     if args.json:
-        with open(args.json, "w") as handle:
+        with open_for_writing(args.json, "w", what="--json file") as handle:
             json.dump({k: v for k, v in report.items() if k != "text"}, handle, indent=2, default=str)
     return 0
 

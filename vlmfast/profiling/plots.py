@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from vlmfast.safe_files import library_output
+
 __all__ = ["plot_step_breakdown"]
 
 # phase -> colour; stacked bottom-up in step order, "other" (time no phase covered) on top
@@ -53,5 +55,6 @@ def plot_step_breakdown(history: Iterable[Mapping[str, Any]], path: str | Path,
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, never on one
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
+    with library_output(path, what="step-time plot") as tmp:  # matplotlib writes by name: a folder of our own
+        fig.savefig(tmp, format="png")
     return path

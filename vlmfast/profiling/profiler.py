@@ -36,6 +36,7 @@ from torch import nn
 from vlmfast.profiling.flops import FlopsMeter, peak_tflops
 from vlmfast.profiling.phase_timer import PhaseTimer
 from vlmfast.profiling.torch_profiler import StepProfiler
+from vlmfast.safe_files import UnsafeOutputError, write_atomic
 from vlmfast.spec import ProfileSpec
 
 __all__ = ["EXCLUDED", "RunProfiler", "report_lines"]
@@ -119,6 +120,8 @@ class RunProfiler:
                 from vlmfast.profiling.plots import plot_step_breakdown
 
                 summary["step_time_plot"] = str(plot_step_breakdown(history, self.log_dir / "step_time_breakdown.png"))
+            except UnsafeOutputError:  # a link planted at the plot's name: refused, not a missing plot
+                raise
             except ValueError as exc:  # no timed step (a very short run): no plot, and say why
                 log.info("%s", exc)
             except OSError as exc:  # a full log disk: a warning, never the end of a run
@@ -126,7 +129,7 @@ class RunProfiler:
         if self.log_dir is not None and self.is_main_process and summary:
             try:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
-                (self.log_dir / "profile_summary.json").write_text(json.dumps(summary, indent=2))
+                write_atomic(self.log_dir / "profile_summary.json", json.dumps(summary, indent=2), what="log.dir file")
             except OSError as exc:
                 log.warning("cannot write profile_summary.json to %s (%s)", self.log_dir, exc.strerror or exc)
         self.summary = summary

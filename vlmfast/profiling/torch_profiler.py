@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from vlmfast.safe_files import ensure_dir, library_output, open_for_writing, write_atomic
 from vlmfast.spec import TraceSpec
 
 __all__ = ["StepProfiler", "nvtx_range", "top_operators"]
@@ -104,7 +105,10 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.spec.dir:  # the user's folder (it may be a link they made)
+            self.dir.mkdir(parents=True, exist_ok=True)
+        else:  # log.dir/profiler: ours, so never a link
+            ensure_dir(self.dir, "profiler folder")
         self._window = (self.spec.start_step, self.spec.start_step + self.spec.active_steps - 1)
         self._profiler = profile(
             activities=activities,
@@ -125,10 +129,13 @@ class StepProfiler:
         if self.spec.format in ("tensorboard", "both"):  # the layout tensorboard_trace_handler uses
             names.append(f"{socket.gethostname()}_{os.getpid()}.{time.time_ns()}.pt.trace.json")
         paths = [self.dir / name for name in names]
-        prof.export_chrome_trace(str(paths[0]))
+        with library_output(paths[0], what="profiler trace") as tmp:  # torch writes by name: a folder of our own
+            prof.export_chrome_trace(str(tmp))
         for path in paths[1:]:
-            shutil.copyfile(paths[0], path)
+            with open(paths[0], "rb") as src, open_for_writing(path, "wb", what="profiler trace") as dst:
+                shutil.copyfileobj(src, dst)
         self.trace_files += paths
         self.top_ops = top_operators(prof)
-        (self.dir / f"top_ops_steps_{first}-{last}.json").write_text(json.dumps(self.top_ops, indent=2))
+        write_atomic(self.dir / f"top_ops_steps_{first}-{last}.json", json.dumps(self.top_ops, indent=2),
+                     what="profiler summary")
         self._finished = True

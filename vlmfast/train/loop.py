@@ -24,14 +24,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from vlmfast.callbacks import Callback
-from vlmfast.checkpoint import check_resume_compatible, check_same_world_size, save_checkpoint
+from vlmfast.checkpoint import check_resume_compatible, check_same_world_size, latest_checkpoint, save_checkpoint
 from vlmfast.checkpoint_async import AsyncCheckpointer
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
+from vlmfast.data.fingerprint import describe_changes, fingerprint_changes, map_position
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
 from vlmfast.data.packing_check import check_packing, probe_samples
 from vlmfast.data.prefetch import device_batches, host_batch
 from vlmfast.data.sample_checks import SampleCheck
+from vlmfast.data.timeout import DataLoaderTimeoutError
 from vlmfast.engines import build_engine
 from vlmfast.engines.collectives import barrier, broadcast_object, gather_objects, sum_loss_and_flags
 from vlmfast.engines.ddp import ddp_errors_explained
@@ -42,7 +44,7 @@ from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.profiling import RunProfiler
 from vlmfast.reporting import MetricsLogger, RunReport
 from vlmfast.save_dir import SaveDirLock, prepare_save_dir
-from vlmfast.spec import TrainSpec, check_environment
+from vlmfast.spec import SpecError, TrainSpec, check_environment
 from vlmfast.strategies.accumulation import AccumulationPlan, GradientAccumulation, LossFn
 from vlmfast.strategies.base import Step, Strategy, overrides
 from vlmfast.strategies.optimizer import Optimization
@@ -102,6 +104,7 @@ class OptimizedTrainer:
         model = model.to(self.device)
         for strategy in self.strategies:
             model = strategy.apply(model)
+        sample_check = self._sample_check(model)  # before the engine wraps or shards it: a plain, local probe
         self.model = self.engine.setup(model, self.optimization.build)  # last: strategies change the plain model
         self._contexts = [s for s in self.strategies if overrides(s, "forward_context")]
         self.state.micro_batch_size = self.micro_batching.micro_batch_size
@@ -123,19 +126,38 @@ class OptimizedTrainer:
         self.loader = device_batches(  # data.device_prefetch: the next batch is copied while this step runs
             ResumableLoader(train_data, spec.batch_size, spec.data, spec.seed, self.collate_fn,
                             pin_memory=pin, rank=self.rank, world_size=self.world_size,
-                            # samples collated per micro-batch in the workers (not for packed rows or token budgets)
-                            micro_batch_size=None if spec.packing.enabled or spec.micro_batch_tokens
-                            else spec.resolved_micro_batch_size,
-                            sample_check=SampleCheck.for_model(self.engine.module, spec.loss.label_key,
-                                                               spec.loss.ignore_index)),
+                            # samples collated per micro-batch in the workers (not for packed rows); a token
+                            # budget's batch collated whole to plan on, its micro-batches then from their samples
+                            micro_batch_size=None if spec.packing.enabled
+                            else spec.batch_size if spec.micro_batch_tokens else spec.resolved_micro_batch_size,
+                            sample_check=sample_check),
             spec.data, self.device)
 
-    def _probe_batches(self) -> Iterator[Any]:
+    def _probe_batches(self, count: int = 16) -> Iterator[Any]:
         """The first training samples, each collated alone by the user's collate_fn, on the device (for strategies
         that learn from a forward: modality sync)."""
         collate = self.collate_fn or torch.utils.data.default_collate
-        for sample in probe_samples(self.train_data, count=16):
+        for sample in probe_samples(self.train_data, count=count):
             yield move_to_device(collate([sample]), self.device)
+
+    def _sample_check(self, model: nn.Module) -> SampleCheck | None:
+        """data.check_samples' checks with the vocabulary the ids meet: read off the model, else learned from the
+        first embedding the first sample's ids reach (a model without get_input_embeddings or a config)."""
+        if self.spec.data.check_samples == "off":
+            return None
+        data = self.train_data
+        spare = hasattr(data, "__getitem__") and hasattr(data, "__len__")  # never take samples from a stream
+        return SampleCheck.for_model(getattr(model, "_orig_mod", model),  # compiled: probe the eager module
+                                     self.spec.loss.label_key, self.spec.loss.ignore_index,
+                                     probe_batch=self._first_sample_batch if spare else None)
+
+    def _first_sample_batch(self) -> Any:
+        """The first sample collated alone, on the device; None when it cannot be read or collated (a bad sample is
+        the loader's to skip and count, not the probe's to fail on)."""
+        try:
+            return next(self._probe_batches(count=1), None)
+        except Exception:
+            return None
 
     def _build_memory_monitor(self) -> MemoryMonitor | None:
         """Leak detection, allocator history and the timeline plot, fed by the trainer's memory readings."""
@@ -180,6 +202,8 @@ class OptimizedTrainer:
     def _fit(self) -> FitResult:
         resumed_from = resume_run(self.engine, self.load_state_dict, self.spec.save.resume, self.spec.save.dir,
                                   check=self.check_resumable)
+        if self.spec.save.dir is not None:  # now, before any step: a checkpoint written when data is stuck needs it
+            self._data_fingerprint()
         self.model.train()
         reset_peak_memory(self.device)
         history: list[dict[str, Any]] = []
@@ -197,7 +221,7 @@ class OptimizedTrainer:
                 self.timer.begin_step(self.state.step + 1)
                 waited = time.perf_counter()
                 with self.timer.phase("data_wait"):
-                    batch = next(self.loader)
+                    batch = self._next_batch()
                 data_time = time.perf_counter() - waited  # blocked on the loader only, not the loop's bookkeeping
                 metrics = self._train_batch(batch)
                 metrics.update(self.timer.end_step())
@@ -213,7 +237,8 @@ class OptimizedTrainer:
             interrupted = guard.requested or (self._stop_agreed and not self.should_stop and "a signal on another rank")
             result.interrupted = interrupted or None
             if interrupted:
-                metrics_logger.write(f"{interrupted} received: saving a final checkpoint and stopping")
+                metrics_logger.write(f"{interrupted} received: " + ("saving a final checkpoint and stopping" if
+                                     self.spec.save.dir else "stopping (no save.dir: no checkpoint is written)"))
             result.checkpoint = self._final_save() or result.checkpoint
             barrier()  # nobody leaves before rank 0's checkpoint is on disk and DDP work is done
             if self.eval_data is not None and not result.interrupted:
@@ -229,6 +254,34 @@ class OptimizedTrainer:
                 self._write_report(metrics_logger.whole_run(result.report))  # report.json: all sessions
         self._fire("on_fit_end", result)
         return result
+
+    def _next_batch(self) -> Any:
+        """The next batch; when it does not come within data.timeout_s, the final checkpoint, then the error."""
+        try:
+            return next(self.loader)
+        except DataLoaderTimeoutError as exc:
+            exc.checkpoint = self._save_when_data_is_stuck(exc)
+            raise
+
+    def _save_when_data_is_stuck(self, exc: DataLoaderTimeoutError) -> Path | None:
+        """The interrupt's final save (the stuck batch is not counted: a resume loads it again). Not under several
+        ranks: the others wait inside the step's collectives, so a save's collectives would not match theirs."""
+        path: Path | None = None
+        if self.world_size > 1:
+            note = "no final checkpoint: the other ranks wait in a collective (they stop at ddp.timeout_minutes)"
+        elif self.spec.save.dir is None:
+            note = "no checkpoint written: save.dir is not set"
+        else:
+            try:
+                path = self._final_save() or latest_checkpoint(self.spec.save.dir)
+            except Exception as save_error:  # the data error stays the one raised; the save's is named
+                note = f"the final checkpoint could not be written: {type(save_error).__name__}: {save_error}"
+            else:
+                note = f"the checkpoint of step {self.state.step} is {path}" if path else "no step was run"
+        log.error("%s; %s", exc, note)
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(note)
+        return path
 
     def train_step(self, batch: Any, micro_batch_size: int, host: Any = None) -> tuple[torch.Tensor, AccumulationPlan]:
         """Forward and backward of one per-rank batch in micro-batches of `micro_batch_size` samples; the gradients
@@ -360,19 +413,65 @@ class OptimizedTrainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: engine (model, optimizer), strategies, data position, counters,
         RNG, spec. Every rank calls it (an engine may gather with a collective)."""
+        lora = self._lora()
+        trainable_only = lora is not None and self.engine.keeps_trainable_only  # the frozen base: fingerprinted
         return {
-            "engine": self.engine.state_dict(),
+            "engine": self.engine.state_dict(trainable_only=trainable_only),
+            **({"frozen": lora.fingerprint()} if trainable_only else {}),
             "strategies": {s.name: s.state_dict() for s in self.strategies},
             "loader": self.loader.state_dict(),
             "trainer": {**self.state.state_dict(), "world_size": self.world_size},
             "rng": gather_objects(rng_state()),  # every rank's generators: dropout differs per rank
             "spec": self.spec.to_dict(),
+            "data": self._data_fingerprint(),  # compared on resume (vlmfast.data.fingerprint)
         }
 
+    def _lora(self) -> Any:
+        return next((s for s in self.strategies if s.name == "lora"), None)
+
+    def _data_fingerprint(self) -> dict[str, Any] | None:
+        fingerprint = getattr(self.loader, "fingerprint", None)
+        return fingerprint() if fingerprint is not None else None
+
     def check_resumable(self, state: dict[str, Any]) -> None:
-        """Refuse a checkpoint written by a different run (spec) or on another number of ranks, naming the change."""
+        """Refuse a checkpoint written by a different run (spec), on another number of ranks or on other data (its
+        fingerprint; save.accept_data_change accepts that), naming the change."""
         check_resume_compatible(state["spec"], self.spec.to_dict())
         check_same_world_size(state["trainer"].get("world_size", 1), self.world_size)
+        lora = self._lora()
+        if state.get("frozen") and lora is not None and state["frozen"] != lora.fingerprint():
+            raise SpecError(
+                f"cannot resume: the frozen base weights differ from the checkpoint's (fingerprint "
+                f"{state['frozen'][:16]}... saved, {lora.fingerprint()[:16]}... now): a LoRA checkpoint holds the "
+                "adapters only, on the base it was trained on. Load that base model, or start a new run "
+                "(save.resume: never, or another save.dir)")
+        saved, current = state.get("data"), self._data_fingerprint()
+        changes = fingerprint_changes(saved, current) if saved and current else {}
+        if changes and not self.spec.save.accept_data_change:
+            position = state.get("loader", {})
+            raise SpecError(
+                f"cannot resume: the training data differs from the checkpoint's: {describe_changes(changes)}. The "
+                f"saved data position (epoch {position.get('epoch')}, batch {position.get('batch_in_epoch')}) points "
+                "into the old data, so the run would not continue as the uninterrupted one. Restore the data to "
+                "continue exactly, set save.accept_data_change: true to go on with the new data (the position is "
+                "mapped onto it), or start a new run (save.resume: never, or another save.dir)")
+
+    def _data_position(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's data position, mapped onto the new data when a change was accepted; said in the log."""
+        position, saved, current = state["loader"], state.get("data"), self._data_fingerprint()
+        if not saved:
+            log.info("the checkpoint has no data fingerprint (written by an older vlmfast): the training data is not "
+                     "checked against it; the next checkpoint will have one")
+            return position
+        changes = fingerprint_changes(saved, current) if current else {}
+        if not changes:
+            return position
+        batches = getattr(self.loader, "batches_per_epoch", lambda length: None)
+        mapped = map_position(position, batches(saved.get("length")), batches(current.get("length")))  # type: ignore[union-attr]
+        log.warning("resuming on changed training data (save.accept_data_change): %s; the data position epoch %d, "
+                    "batch %d becomes epoch %d, batch %d of the new data", describe_changes(changes),
+                    position["epoch"], position["batch_in_epoch"], mapped["epoch"], mapped["batch_in_epoch"])
+        return mapped
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (refuses a checkpoint of a different run: see checkpoint.REFUSED_ON_RESUME)."""
@@ -380,11 +479,26 @@ class OptimizedTrainer:
         self.engine.load_state_dict(state["engine"] if "engine" in state else _engine_state_of_v01(state))
         for strategy in self.strategies:
             strategy.load_state_dict(state["strategies"].get(strategy.name, {}))
-        self.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict(self._data_position(state))
         self.state.load_state_dict(state["trainer"])
         self.state.micro_batch_size = self.micro_batching.micro_batch_size  # the sizer restored its own
         rng = state["rng"]
         set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)  # 0.1 saved rank 0's only
+
+    def export(self, directory: str | Path, merge: bool = False, processor: Any = None) -> Path | None:
+        """Write the trained model in a format the Hugging Face ecosystem loads (:func:`vlmfast.export.export_model`:
+        a LoRA run's adapter folder, or with ``merge`` the merged model; a Hugging Face model's save_pretrained
+        folder; else model.safetensors), with ``processor`` next to it. Rank 0 writes; returns the folder there.
+        Usage: ``trainer.fit(); trainer.export("out", processor=processor)``"""
+        from vlmfast.export import export_model
+
+        if not self.engine.local_state_dict:
+            raise ValueError(f"export: the {type(self.engine).__name__} shards the weights, and gathering them for an "
+                             "export is not supported yet: save a checkpoint and export it from one process")
+        path = export_model(self.engine.module, directory, merge=merge, processor=processor) \
+            if self.is_main_process else None
+        barrier()
+        return path
 
     def save(self, directory: str | Path | None = None) -> Path:
         """Write a checkpoint now (atomic; all ranks call it, rank 0 writes) and return its path."""
