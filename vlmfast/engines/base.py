@@ -116,13 +116,23 @@ class Engine:
     can_probe = True  # False: sharded engines, whose batch-size probes would strand peers inside a collective
     local_state_dict = True  # False: state_dict() gathers with a collective, so one rank may not call it alone
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and precision state (every rank calls it: gathering may be a collective)."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "precision": self.precision.state_dict()}
+    keeps_trainable_only = True  # state_dict(trainable_only=True) holds the trainable parameters alone
+
+    def state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
+        """Model, optimizer and precision state (every rank calls it: gathering may be a collective).
+        `trainable_only`: the model's trainable parameters alone (a LoRA run: its frozen base is fingerprinted,
+        not saved)."""
+        model = self.module.state_dict()
+        if trainable_only:
+            trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
+            model = {name: value for name, value in model.items() if name in trainable}
+        return {"model": model, "optimizer": self.optimizer.state_dict(), "precision": self.precision.state_dict(),
+                **({"trainable_only": True} if trainable_only else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "model" in state:
+        if "model" in state and state.get("trainable_only"):
+            _load_trainable(self.module, state["model"])
+        elif "model" in state:
             self.module.load_state_dict(state["model"])
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -137,3 +147,13 @@ class Engine:
     def describe(self) -> list[str]:
         """Report lines: the engine and its precision."""
         return [self.precision.describe()]
+
+
+def _load_trainable(module: nn.Module, saved: dict[str, Any]) -> None:
+    """Load a checkpoint of the trainable parameters alone: exactly those, nothing missing or unexpected."""
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(trainable - set(saved)), sorted(set(saved) - trainable)
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint's trainable parameters do not match the model's: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]} (another lora configuration?)")
+    module.load_state_dict(saved, strict=False)

@@ -194,7 +194,9 @@ class DeepSpeedEngine(Engine):
         # the overflow in step() and skips the update itself, backing off its scale.
         self.engine.step()
 
-    def state_dict(self) -> dict[str, Any]:
+    keeps_trainable_only = False  # the whole (sharded) state: a LoRA run's checkpoint is not reduced here
+
+    def state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
         return {}  # weights and optimizer states live in DeepSpeed's shards (save_shards)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -111,7 +111,9 @@ class FSDPEngine(Engine):
     def sync_context(self, model: nn.Module, last_micro_batch: bool) -> AbstractContextManager[Any]:
         return nullcontext() if last_micro_batch and not self._local else _no_gradient_sync(model)
 
-    def state_dict(self) -> dict[str, Any]:
+    keeps_trainable_only = False  # the whole (sharded) state: a LoRA run's checkpoint is not reduced here
+
+    def state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
         model_state, optimizer_state = full_state_dict(self.module, self.optimizer)  # a collective
         return {"model": model_state, "optimizer": optimizer_state}
 

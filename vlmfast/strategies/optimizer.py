@@ -147,6 +147,7 @@ class Optimization(Strategy):
 
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
         """The optimizer over `model`'s trainable parameters, and its schedule (the engine calls this)."""
+        self.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # after LoRA
         self.optimizer = build_optimizer(model, self.spec, self.device)
         self.scheduler = build_scheduler(self.optimizer, self.schedule, self.max_steps)
         return self.optimizer

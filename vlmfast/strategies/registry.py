@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from vlmfast.data.batch_layout import BatchLayout
 from vlmfast.strategies import oom
 from vlmfast.strategies.activation_checkpointing import ActivationCheckpointing
 from vlmfast.strategies.attention import AttentionBackend
@@ -38,6 +39,14 @@ class BuildContext:
     world_size: int = 1
     # A few training batches (collated samples, on the device), for strategies that learn from a forward
     probe_batches: Callable[[], Iterable[Any]] | None = None
+
+
+def _lora(spec: Any, ctx: BuildContext) -> Strategy | None:
+    if not spec.lora.enabled:
+        return None
+    from vlmfast.strategies.lora import LoRA
+
+    return LoRA(spec.lora, ctx.probe_batches)
 
 
 def _attention(spec: Any, ctx: BuildContext) -> Strategy | None:
@@ -104,6 +113,7 @@ def _ema(spec: Any, ctx: BuildContext) -> Strategy | None:
 
 # In order: `apply` runs top to bottom, and so does every step point (clipping after the loss corrections).
 OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
+    _lora,  # first: every other strategy sees the adapted model (frozen base, trainable adapters)
     _attention,
     _modality_sync,  # before the cache, checkpointing and compile: it learns the plain model's image path
     _vision_cache,  # before checkpointing and compile: they wrap the tower the cache stands in for
@@ -140,4 +150,5 @@ def build_micro_batching(spec: Any, model: Any = None, *, describe_memory: Calla
     prepended = 0 if spec.packing.enabled or model is None else int(
         getattr(unwrap_model(model), "prepended_image_tokens", 0) or 0)
     return TokenBudgetSizer(spec.micro_batch_tokens, max_rows=spec.micro_batch_size, image_tokens=image_tokens,
-                            prepended_tokens=prepended, oom=spec.oom, describe_memory=describe_memory, on_oom=on_oom)
+                            prepended_tokens=prepended, layout=BatchLayout.from_model(model), oom=spec.oom,
+                            describe_memory=describe_memory, on_oom=on_oom)

@@ -1,0 +1,219 @@
+"""LoRA (the ``lora`` section, PEFT): the step equals a hand-written PEFT full-batch step, with any strategy on top.
+
+Per family (tiny Qwen2-VL, LLaVA, Idefics3 from tests/zoo, inputs from their real processors): the trainer's LoRA
+model is copied before training, one SGD step on the whole batch is taken by hand on the copy (PEFT's forward, the
+model's own loss), and the trainer's step must give the same update within 1e-5 of its norm; only the adapters (and
+``modules_to_save``) move.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from vlmfast import OptimizedTrainer, SpecError, TrainSpec
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from zoo import build_case  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+TOLERANCE = 1e-5
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def spec(**extra) -> TrainSpec:
+    base = {"max_steps": 1, "batch_size": 8, "micro_batch_size": 8, "device": "cpu", "log": {"progress": "off"},
+            "optimizer": {"name": "sgd", "lr": 0.1}, "memory": {"leak_check": False},
+            "lora": {"enabled": True, "r": 8, "alpha": 16}}
+    for key, value in extra.items():
+        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
+    return TrainSpec(**base)
+
+
+def hand_written_step(model, case) -> dict[str, torch.Tensor]:
+    """One SGD step (lr 0.1) of `model` (a copy of the trainer's PEFT model) on the whole batch: the update."""
+    model = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = case.collate_fn(case.samples)
+    model(**batch).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.grad is not None:
+                p -= 0.1 * p.grad
+    return {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def lora_step(case, trainer_spec: TrainSpec):
+    """The trainer's update, and the hand-written one from the same initial LoRA model (a plain LoRA trainer's: a
+    strategy may replace the forward, e.g. the chunked loss, which a copy of the model would not carry over)."""
+    plain = OptimizedTrainer(copy.deepcopy(case.model), case.samples, spec(lora=trainer_spec.lora.model_dump()),
+                             collate_fn=case.collate_fn).engine.module
+    reference = hand_written_step(plain, case)
+    trainer = OptimizedTrainer(copy.deepcopy(case.model), case.samples, trainer_spec, collate_fn=case.collate_fn)
+    model = trainer.engine.module
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(start[n], p) for n, p in plain.named_parameters())  # the same adapters to start from
+    result = trainer.fit()
+    update = {n: p.detach() - start[n] for n, p in model.named_parameters()}
+    return update, reference, trainer, result
+
+
+def assert_same_update(update, reference) -> None:
+    names = sorted(reference)
+    diff = torch.cat([(update[n] - reference[n]).flatten() for n in names]).double().norm()
+    scale = torch.cat([reference[n].flatten() for n in names]).double().norm()
+    assert scale > 0 and diff <= TOLERANCE * scale, f"update off by {float(diff / scale):.2e} of its norm"
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava", "idefics3"])
+def case(request):
+    return build_case(request.param)
+
+
+def test_the_lora_step_equals_a_hand_written_peft_step(case):
+    update, reference, trainer, result = lora_step(case, spec(lora={"modules_to_save": ["multi_modal_projector"]}
+                                                               if case.name != "qwen2_vl" else {}))
+    assert_same_update(update, reference)
+    model = trainer.engine.module
+    assert peft.PeftModel in type(model).__mro__
+    moved = {n for n, u in update.items() if u.abs().max() > 0}
+    assert moved and all("lora_" in n or "modules_to_save" in n for n in moved)  # the base never moves
+    adapted = {n.split(".lora_")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    tower = [n for n in adapted if "vision" in n or "visual" in n]
+    assert adapted and not tower  # language model only, by default
+    assert "lora: r 8, alpha 16" in result.report.to_text()
+
+
+@pytest.mark.parametrize("strategy", [
+    {"micro_batch_size": 3},
+    {"micro_batch_size": 8, "micro_batch_tokens": 64},
+    {"activation_checkpointing": {"enabled": True}},
+    {"linear_cross_entropy": {"enabled": True}},
+], ids=["micro-batches", "token-budget", "checkpointing", "chunked-ce"])
+def test_each_strategy_on_top_gives_the_plain_lora_step(strategy):
+    case = build_case("llava")
+    update, reference, _, _ = lora_step(case, spec(**strategy))
+    assert_same_update(update, reference)
+
+
+def test_a_model_the_user_wrapped_with_peft_is_used_as_it_is():
+    case = build_case("llava")
+    torch.manual_seed(0)
+    wrapped = peft.get_peft_model(copy.deepcopy(case.model), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    trainer = OptimizedTrainer(wrapped, case.samples, spec(), collate_fn=case.collate_fn)
+    assert trainer.engine.module is wrapped
+    assert "the user's PEFT model" in trainer.fit().report.to_text()
+
+
+def test_without_peft_the_error_names_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_peft(name, *args, **kwargs):
+        if name == "peft" or name.startswith("peft."):
+            raise ImportError("No module named 'peft'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_peft)
+    with pytest.raises(ImportError, match=r"lora.enabled needs peft: pip install 'vlmfast\[lora\]'"):
+        OptimizedTrainer(copy.deepcopy(build_case("llava").model), [], spec())
+
+
+# ---- checkpoints: the adapters only, on a fingerprinted base ------------------------------------------------------
+def _llava_5m(seed: int = 0):
+    """A LLaVA of ~5.6M parameters (a 6-layer Llama of width 320): big enough for checkpoint sizes to mean something."""
+    from conftest import tiny_llava
+
+    return tiny_llava(seed, text_hidden=320, text_layers=6, vision_layers=1)
+
+
+def _run(tmp_path, name, steps, lora=True, model=None, resume="auto"):
+    from conftest import LlavaDataset
+
+    extra = {"max_steps": steps, "batch_size": 4, "micro_batch_size": 4, "optimizer": {"name": "adamw", "lr": 1e-3},
+             "save": {"dir": str(tmp_path / name), "every_steps": 2, "resume": resume}}
+    trainer_spec = spec(**extra) if lora else spec(**extra, lora={"enabled": False})
+    trainer = OptimizedTrainer(model if model is not None else _llava_5m(), LlavaDataset(16), trainer_spec)
+    return trainer, trainer.fit()
+
+
+def _folder_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_a_lora_checkpoint_holds_the_adapters_resumes_exactly_and_refuses_another_base(tmp_path):
+    base = _llava_5m()
+    assert sum(p.numel() for p in base.parameters()) >= 5_000_000
+    _run(tmp_path, "full", 2, lora=False)
+    lora, _ = _run(tmp_path, "lora", 4)
+    full_bytes = _folder_bytes(tmp_path / "full" / "step_00000002")
+    lora_bytes = _folder_bytes(tmp_path / "lora" / "step_00000002")
+    assert lora_bytes <= 0.10 * full_bytes, (lora_bytes, full_bytes)
+
+    import shutil  # resume from step 2 of the same run: the same adapters as the uninterrupted run's step 4
+    shutil.rmtree(tmp_path / "lora" / "step_00000004")
+    resumed, result = _run(tmp_path, "lora", 4)
+    assert result.resumed_from is not None and result.resumed_from.name == "step_00000002"
+    ours, theirs = dict(resumed.engine.module.named_parameters()), dict(lora.engine.module.named_parameters())
+    assert all(torch.equal(ours[n], p) for n, p in theirs.items() if p.requires_grad)
+
+    changed = _llava_5m()
+    with torch.no_grad():
+        changed.model.language_model.layers[3].mlp.up_proj.weight[0, 0] += 1e-3  # one frozen element
+    shutil.rmtree(tmp_path / "lora" / "step_00000004")
+    with pytest.raises(SpecError, match=r"frozen base weights differ from the checkpoint's \(fingerprint"):
+        _run(tmp_path, "lora", 4, model=changed)
+
+
+# ---- export: folders the Hugging Face ecosystem loads --------------------------------------------------------------
+def _logits(model, batch) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+
+
+def test_the_adapter_folder_the_merged_folder_and_a_plain_model_load_back_with_the_trained_logits(tmp_path):
+    case = build_case("llava")
+    batch = case.collate_fn(case.samples)
+    trainer = OptimizedTrainer(copy.deepcopy(case.model), case.samples,
+                               spec(max_steps=2, lora={"modules_to_save": ["multi_modal_projector"]},
+                                    linear_cross_entropy={"enabled": True}),  # a replaced forward is not exported
+                               collate_fn=case.collate_fn)
+    trainer.fit()
+    trained = _logits(trainer.engine.module, batch)
+
+    adapter = trainer.export(tmp_path / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(case.model), str(adapter))  # a fresh base
+    torch.testing.assert_close(_logits(loaded, batch), trained, rtol=1e-5, atol=1e-5)
+
+    merged = trainer.export(tmp_path / "merged", merge=True)
+    assert (merged / "model.safetensors").exists() and (merged / "config.json").exists()
+    plain = type(case.model).from_pretrained(str(merged))
+    torch.testing.assert_close(_logits(plain, batch), trained, rtol=1e-5, atol=1e-5)
+    assert peft.PeftModel in type(trainer.engine.module).__mro__  # merging ran on a copy
+
+    full = OptimizedTrainer(copy.deepcopy(case.model), case.samples, spec(max_steps=1, lora={"enabled": False}),
+                            collate_fn=case.collate_fn)
+    full.fit()
+    folder = full.export(tmp_path / "full", processor=case.collate_fn.processor)
+    assert (folder / "model.safetensors").exists() and (folder / "processor_config.json").exists()
+    reloaded = type(case.model).from_pretrained(str(folder))
+    torch.testing.assert_close(_logits(reloaded, batch), _logits(full.engine.module, batch), rtol=1e-5, atol=1e-5)
+
+
+def test_any_other_module_exports_its_state_dict_as_safetensors(tmp_path):
+    from conftest import TinyCausalLM, TokenDataset
+    from safetensors.torch import load_file
+
+    trainer = OptimizedTrainer(TinyCausalLM(), TokenDataset(16), spec(max_steps=1, lora={"enabled": False},
+                                                                       batch_size=4, micro_batch_size=4))
+    trainer.fit()
+    saved = load_file(str(trainer.export(tmp_path / "plain") / "model.safetensors"))
+    assert all(torch.equal(saved[n], p) for n, p in trainer.engine.module.state_dict().items())
