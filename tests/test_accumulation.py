@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import TinyCausalLM, TokenDataset, assert_gradients_close, tiny_llama, token_batch
 
+from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.strategies.accumulation import (
     accumulate_gradients,
     count_loss_tokens,
@@ -238,3 +239,38 @@ def test_a_token_budget_step_under_device_prefetch_applies_the_full_batch_gradie
     assert trainer.state.accumulation_steps >= 3  # split into micro-batches of different rows and widths
     actual = {n: start[n] - p.detach() for n, p in model.named_parameters()}
     assert_grads_close(actual, expected, rtol=1e-10)
+
+
+def test_loss_tokens_on_padding_are_named_once_with_the_fix(caplog):
+    """``labels = input_ids.clone()`` leaves padding labelled: the loss then depends on the split. Said once."""
+    import logging
+
+    class LabelsOnPadding(TokenDataset):
+        def __getitem__(self, i):
+            sample = super().__getitem__(i)
+            return {**sample, "labels": sample["input_ids"].clone()}  # the common mistake: padding not masked
+
+    spec = TrainSpec(max_steps=3, batch_size=8, micro_batch_size=4, log={"progress": "off"})
+    with caplog.at_level(logging.WARNING, logger="vlmfast.strategies.accumulation"):
+        OptimizedTrainer(TinyCausalLM(), LabelsOnPadding(32), spec).fit()
+    warnings = [r.message for r in caplog.records if "sit on padding" in r.message]
+    assert len(warnings) == 1 and "Set labels to -100 wherever attention_mask is 0" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vlmfast.strategies.accumulation"):
+        OptimizedTrainer(TinyCausalLM(), TokenDataset(32), spec).fit()  # padding masked: nothing said
+    assert "sit on padding" not in caplog.text
+
+
+def test_targets_predicted_from_left_padding_are_named_once(caplog):
+    """Left padding with the first real token labelled: a pad position predicts it, so the loss depends on padding."""
+    import logging
+
+    class LeftPadded(TokenDataset):
+        def __getitem__(self, i):
+            return {k: v.flip(0) for k, v in super().__getitem__(i).items()}  # real tokens at the end of the row
+
+    spec = TrainSpec(max_steps=2, batch_size=8, micro_batch_size=4, log={"progress": "off"})
+    with caplog.at_level(logging.WARNING, logger="vlmfast.strategies.accumulation"):
+        OptimizedTrainer(TinyCausalLM(), LeftPadded(32), spec).fit()
+    warnings = [r.message for r in caplog.records if "predicted from padding" in r.message]
+    assert len(warnings) == 1 and "Set labels to -100 at each row's first real token" in warnings[0]

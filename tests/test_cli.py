@@ -55,3 +55,116 @@ def test_every_contract_section_is_in_the_spec():
                 "grad_clip", "activation_checkpointing", "attention", "oom", "ddp", "deepspeed", "compile", "data",
                 "packing", "profile", "save", "log"}
     assert contract <= set(TrainSpec.model_fields)
+
+
+HEAVY_MODULES = ("torch", "transformers", "numpy", "vlmfast.train", "vlmfast.spec", "vlmfast.data", "vlmfast.models")
+
+
+def _modules_loaded_after(code: str) -> list[str]:
+    """Run `code` in a fresh interpreter and return which of HEAVY_MODULES it imported."""
+    import subprocess
+    import sys
+
+    probe = f"import sys\n{code}\nprint(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+def test_help_imports_neither_torch_nor_the_trainer():
+    """`vlmfast --help` and `vlmfast train --help` answer at once: parsing imports no torch (issue 29)."""
+    code = ("import contextlib, io\nimport vlmfast.cli\n"
+            "for argv in (['--help'], ['train', '--help'], ['find-batch-size', '--help'], ['spec', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+            "        vlmfast.cli.main(argv)\n"
+            "    assert 'usage: vlmfast' in out.getvalue(), argv")
+    assert _modules_loaded_after(code) == []
+
+
+def test_importing_the_package_is_lazy_and_its_names_still_resolve():
+    assert _modules_loaded_after("import vlmfast") == []
+    import vlmfast
+    from vlmfast import OptimizedTrainer, TrainSpec  # noqa: F401  (still importable by name)
+
+    assert all(getattr(vlmfast, name) is not None for name in vlmfast.__all__)
+    assert vlmfast.OptimizedTrainer.__module__ == "vlmfast.train.loop" and callable(vlmfast.attention)
+
+
+def test_every_lazily_registered_command_lists_the_help_its_registrar_gives():
+    """`vlmfast --help` lists the modules' sub-commands without importing them: the help must be theirs."""
+    from vlmfast.cli import LAZY_COMMANDS, _parser
+
+    full = {a.dest: a.help for a in _parser()._subparsers._group_actions[0]._choices_actions}
+    listed = {a.dest: a.help for a in _parser(["--help"])._subparsers._group_actions[0]._choices_actions}
+    assert list(full) == list(listed) and set(LAZY_COMMANDS) < set(full)
+    assert {name: full[name] for name in LAZY_COMMANDS} == {name: listed[name] for name in LAZY_COMMANDS}
+    bench = _parser(["bench", "--quick"]).parse_args(["bench", "--quick"])
+    assert bench.command == "bench" and callable(bench.run)
+
+
+LOGITS_TASK = '''
+import torch
+from torch import nn
+
+
+class Logits(nn.Module):
+    """Returns logits only, in a dict: no loss for the trainer to read."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10)
+
+    def forward(self, input_ids, labels=None):
+        return {"logits": self.head(self.embed(input_ids))}
+
+
+def build():
+    g = torch.Generator().manual_seed(0)
+    return Logits(), [{"input_ids": torch.randint(0, 10, (5,), generator=g)} for _ in range(8)], None
+'''
+
+
+def test_yes_no_words_read_from_yaml_booleans_through_set_and_files(tmp_path):
+    """`--set loss.shift_labels=yes` (YAML: True), the value the label probe's error suggests, is the word."""
+    spec = build_spec(None, ["loss.shift_labels=yes", "log.progress=on", "data.check_samples=off"])
+    assert (spec.loss.shift_labels, spec.log.progress, spec.data.check_samples) == ("yes", "on", "off")
+    assert build_spec(None, ["loss.shift_labels=no"]).loss.shift_labels == "no"
+    assert build_spec(None, ["loss.shift_labels='yes'"]).loss.shift_labels == "yes"  # quoted: the word itself
+    path = tmp_path / "run.yaml"
+    path.write_text("loss:\n  shift_labels: yes\ndata:\n  check_samples: off\n")
+    spec = TrainSpec.from_file(path)
+    assert (spec.loss.shift_labels, spec.data.check_samples) == ("yes", "off")
+    assert TrainSpec.model_validate(yaml.safe_load("loss: {shift_labels: no}")).loss.shift_labels == "no"
+    assert TrainSpec.from_file(path).to_dict() == TrainSpec.model_validate(spec.to_dict()).to_dict()  # round trip
+
+
+def test_a_boolean_without_a_word_is_refused_naming_the_choices(capsys):
+    assert main(["train", "--set", "data.check_samples=yes"]) == 2  # choices skip/error/off: no word for true
+    err = capsys.readouterr().err
+    assert "data.check_samples: expected one of 'error', 'off', 'skip', got the boolean true" in err, err
+
+
+def test_a_model_without_a_loss_is_one_line_naming_loss_fn_and_the_task(tmp_path, monkeypatch, capsys):
+    """Before: the probe asked for loss.shift_labels; with it set, the run died in a raw TypeError traceback."""
+    (tmp_path / "logits_task.py").write_text(LOGITS_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = ["train", "--task", "logits_task:build", "--set", "max_steps=1", "--set", "batch_size=4"]
+    for extra in ([], ["--set", "loss.shift_labels=yes"], ["--set", "loss.shift_labels='yes'"]):
+        assert main([*run, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "the model returned a dict without a 'loss'" in err, err
+        assert "loss_fn" in err and "--task" in err and "shift_labels" not in err, err
+
+
+def test_an_interrupted_run_without_save_dir_does_not_print_checkpoint_none(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import vlmfast.cli
+
+    for save_dir, checkpoint, said in ((None, None, "no checkpoint written (no save.dir)"),
+                                       ("ckpt", "ckpt/step_00000002", "checkpoint: ckpt/step_00000002")):
+        trainer = SimpleNamespace(is_main_process=True, spec=TrainSpec(save={"dir": save_dir}),
+                                  fit=lambda c=checkpoint: SimpleNamespace(interrupted="SIGTERM", checkpoint=c))
+        monkeypatch.setattr(vlmfast.cli, "_build_trainer", lambda args, t=trainer: (t, None))
+        assert main(["train"]) == 130
+        err = capsys.readouterr().err
+        assert f"interrupted by SIGTERM; {said}" in err and "None" not in err, err

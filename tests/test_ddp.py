@@ -126,3 +126,29 @@ def test_comm_hook_from_the_spec_trains_and_keeps_ranks_identical(tmp_path):
         assert torch.equal(ranks[1]["params"][name], value), name  # one model on both ranks
         torch.testing.assert_close(value, reference_params[name], rtol=1e-2, atol=1e-3)  # fp16 gradients
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+class UndeclaredLM(TinyCausalLM):
+    """Says nothing about its labels: only the probe can tell that it shifts them."""
+
+    loss_shifts_labels = None
+
+
+def _train_with_rank_zero_too_short_to_probe() -> dict:
+    # Rank 0's samples hold 2 positions (too few for the label probe), rank 1's hold 24.
+    torch.manual_seed(0)
+    data = TokenDataset(64)
+    if os.environ["RANK"] == "0":
+        data.batch = {k: v[:, :2] for k, v in data.batch.items()}
+    trainer = OptimizedTrainer(UndeclaredLM(), data, spec(4, 2))
+    result = trainer.fit()
+    return {"conventions": trainer.accumulation.conventions, "steps": len(result.history)}
+
+
+@pytest.mark.timeout(180)
+def test_ranks_agree_on_one_label_verdict_when_one_rank_cannot_probe(tmp_path):
+    """Seen under load on 2 ranks: rank 0's first samples could not be probed, it raised, rank 1 died in gloo."""
+    ranks = spawn_two_ranks(_train_with_rank_zero_too_short_to_probe, tmp_path, "probe")
+    assert [r["steps"] for r in ranks] == [6, 6]
+    assert ranks[0]["conventions"] == ranks[1]["conventions"]
+    assert ranks[0]["conventions"].shifts_labels and ranks[0]["conventions"].shift_source == "measured"

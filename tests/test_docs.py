@@ -251,3 +251,23 @@ def test_spec_reference_lists_every_field_with_default_and_description(site: tup
     html = (site[0] / "spec-reference" / "index.html").read_text()
     for path, _, _ in fields:
         assert f"<code>{path}</code>" in html, f"{path} not in the built page"
+
+
+def test_no_example_prints_the_report_fit_already_printed() -> None:
+    """fit() prints the run report when it ends: an example that prints `result.report.to_text()` after it shows
+    the report twice (issue 29)."""
+    twice = [f"{block.id}" for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))] for block in code_blocks(page)
+             if block.language == "python" and ".fit()" in block.code and "report.to_text()" in block.code]
+    assert not twice, f"these print the report fit() already printed: {twice}"
+
+
+def test_every_mlflow_ui_hint_sets_the_file_store_variable() -> None:
+    """MLflow 3 reads a local folder store only with MLFLOW_ALLOW_FILE_STORE=true: a printed `mlflow ui` must say so
+    (vlmfast sets it for its own process only)."""
+    files = [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "vlmfast").rglob("*.py")),
+             *sorted((ROOT / "examples").rglob("*.*"))]
+    hints = [(path.relative_to(ROOT), text[max(0, m.start() - 40):m.end()]) for path in files if path.is_file()
+             for text in [path.read_text(errors="replace")] for m in re.finditer(r"mlflow ui\b", text)]
+    assert hints, "the `mlflow ui` hint is gone: tell users how to read the folder store"
+    bare = [hint for hint in hints if not hint[1].endswith("MLFLOW_ALLOW_FILE_STORE=true mlflow ui")]
+    assert not bare, f"`mlflow ui` without MLFLOW_ALLOW_FILE_STORE=true before it: {bare}"

@@ -230,3 +230,31 @@ def test_clear_refusals() -> None:
     apply_linear_cross_entropy(model)
     with pytest.raises(ValueError, match="does not know"):
         model(**token_batch(2, 8, VOCAB))
+
+
+def test_through_a_peft_lora_wrapper_the_gradients_equal_the_models_own_loss() -> None:
+    """A PEFT LoRA model: the chunked loss goes on the model it wraps (whose forward the wrapper calls with the
+    labels); LoRA's adapters and the projector get the standard loss's gradients, the frozen base none."""
+    peft = pytest.importorskip("peft")
+    llava = tiny_llava().double()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             modules_to_save=["multi_modal_projector"])
+    wrapped = peft.get_peft_model(llava, config)
+    chunked = copy.deepcopy(wrapped)
+    state = apply_linear_cross_entropy(chunked, chunk_tokens=5)
+    assert state.source.kind == "hugging face"
+    data = LlavaDataset(6)
+    batch = {k: torch.stack([data[i][k] for i in range(6)]) for k in data[0]}
+    batch["pixel_values"] = batch["pixel_values"].double()
+    standard, ours = wrapped(**batch).loss, chunked(**batch).loss
+    assert ours.item() == pytest.approx(standard.item(), rel=1e-6)
+    standard.backward()
+    ours.backward()
+    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(wrapped.named_parameters(), chunked.parameters(), strict=True)
+             if p.requires_grad]
+    assert all((g is None) == (q is None) for _, g, q in pairs)  # the vision tower's unused last layer: neither
+    pairs = [(n, g, q) for n, g, q in pairs if g is not None]
+    assert any("lora_A" in n for n, _, _ in pairs) and any("multi_modal_projector" in n for n, _, _ in pairs)
+    assert _relative(torch.cat([q.flatten() for _, _, q in pairs]), torch.cat([g.flatten() for _, g, _ in pairs])) \
+        < 1e-5
+    assert state.verified == "yes"

@@ -197,8 +197,10 @@ def test_mrope_position_ids_are_kept_and_text_positions_added() -> None:
 
 def test_bad_batches_get_clear_errors() -> None:
     ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
-    with pytest.raises(ValueError, match="right-padded"):
-        unpad_batch({"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1], [0, 1, 1]])})
+    with pytest.raises(ValueError, match="real tokens in one run"):  # a hole in the mask
+        unpad_batch({"input_ids": ids, "attention_mask": torch.tensor([[1, 0, 1], [0, 1, 1]])})
+    left = unpad_batch({"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1], [0, 1, 1]])})
+    assert left[1]["input_ids"].tolist() == [8, 9]  # a left-padded row: its real tokens, re-padded to the right
     with pytest.raises(ValueError, match="needs its 'attention_mask'"):
         unpad_batch({"input_ids": ids})
     with pytest.raises(ValueError, match=r"packing cannot split.*'lengths'"):

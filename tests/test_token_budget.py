@@ -61,7 +61,7 @@ def test_split_trims_padding_and_per_row_images() -> None:
 def test_refuses_layouts_it_cannot_split() -> None:
     batch = token_batch(4, 10)
     batch["pixel_values"] = torch.zeros(7, 3, 8, 8)  # flattened images of 4 samples: rows unknown
-    with pytest.raises(ValueError, match=r"pixel_values.*images_per_row"):
+    with pytest.raises(ValueError, match=r"'pixel_values' holds the images of all samples.*image token id is unknown"):
         split_by_tokens(batch, 20)
     with pytest.raises(ValueError, match="dict batches"):
         TokenBudget(20).split([torch.zeros(2, 3)])
@@ -170,3 +170,44 @@ def test_build_sizer_charges_images_by_the_models_layout() -> None:
     assert type(build_sizer(TrainSpec(batch_size=8), tiny)).__name__ == "FixedMicroBatchSize"
     with pytest.raises(ValueError, match=r"packing\.max_tokens"):
         TrainSpec(batch_size=8, micro_batch_tokens=100, packing={"enabled": True, "max_tokens": 256})
+
+
+def _uneven_llava_batch() -> dict[str, torch.Tensor]:
+    """8 LLaVA samples holding 2, 0, 1, 2, 0, 1, 1, 1 images: 8 images over 8 rows, so ``pixel_values`` has as many
+    rows as the batch by coincidence; right-padded text of different lengths after each sample's image tokens."""
+    from conftest import IMAGE_TOKEN
+
+    counts, g = [2, 0, 1, 2, 0, 1, 1, 1], torch.Generator().manual_seed(3)
+    rows = [[IMAGE_TOKEN] * 4 * k + torch.randint(1, 60, (3 + 2 * i,), generator=g).tolist()
+            for i, k in enumerate(counts)]
+    width = max(map(len, rows))
+    ids, mask = torch.zeros(8, width, dtype=torch.long), torch.zeros(8, width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    labels = torch.where((mask == 1) & (ids != IMAGE_TOKEN), ids, -100)
+    pixels = torch.rand(sum(counts), 3, 16, 16, generator=g)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels}
+
+
+def test_images_that_match_the_rows_by_coincidence_stay_with_their_samples() -> None:
+    """The bug this guards: a first-dimension-equals-rows rule took pixel_values[rows] as each row's image, so each
+    micro-batch trained on other samples' images (and counts that matched the image tokens would train silently)."""
+    from conftest import IMAGE_TOKEN, tiny_llava
+
+    from vlmfast.data.batch_layout import BatchLayout
+
+    model = tiny_llava().double()
+    batch = _uneven_llava_batch()
+    batch["pixel_values"] = batch["pixel_values"].double()
+    assert batch["pixel_values"].shape[0] == batch["input_ids"].shape[0]  # the coincidence
+    model(**batch).loss.backward()
+    reference = _grads(model)
+    model.zero_grad()
+    budget = TokenBudget(2 * batch["input_ids"].shape[1], layout=BatchLayout.from_model(model))
+    loss = accumulate_gradients(model, batch, budget)
+    assert budget.last["micro_batches"] >= 3 and torch.isfinite(loss)
+    assert _relative(_grads(model), reference) < 1e-10  # float64: the split changes nothing
+    parts = budget.split(batch)
+    images = [int(p["pixel_values"].shape[0]) if "pixel_values" in p else 0 for p in parts]
+    tokens = [int((p["input_ids"] == IMAGE_TOKEN).sum()) // 4 for p in parts]
+    assert images == tokens  # every micro-batch got exactly its samples' images

@@ -21,7 +21,7 @@ from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.testing import simulated_oom
 
 transformers = pytest.importorskip("transformers")
-from zoo import ZOO, build_case  # noqa: E402
+from zoo import VLM_CASES, ZOO, build_case  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -120,3 +120,56 @@ def test_bf16_trains(case):
     assert torch.isfinite(torch.tensor(result.history[0]["loss"]))
     assert result.history[0]["loss"] == pytest.approx(case.reference_loss, rel=5e-2)
     assert any(u.abs().max() > 0 for u in update.values())
+
+
+@pytest.mark.parametrize("source", ["dataset", "dataloader"])
+def test_token_budget_gives_the_full_batch_update(case, source):
+    """Micro-batches by tokens: from the samples (each micro-batch collated from its own samples by the processor's
+    collate) and from the user's collated batches (cut by the key-aware rules: each sample's images found from its
+    image tokens, never by a first dimension that happens to equal the rows)."""
+    whole = case.collate_fn(case.samples)
+    if not isinstance(whole, dict) or "input_ids" not in whole:  # not a language model: refused, naming the field
+        with pytest.raises(ValueError, match=r"micro_batch_tokens (splits dict batches|needs a collated batch with "
+                                             r"'input_ids')"):
+            update_of(case, spec(8, micro_batch_tokens=64))
+        return
+    budget = 2 * whole["input_ids"].shape[1]  # at most two rows of the longest sample: several micro-batches
+    data = DataLoader(case.samples, batch_size=8, collate_fn=case.collate_fn) if source == "dataloader" else None
+    update, _, result = update_of(case, spec(8, micro_batch_tokens=budget), data=data)
+    assert result.history[0]["micro_batches"] >= 3
+    assert_update_equal(update, case.reference)
+
+
+def _frozen_tower_copy(case, frozen):
+    from vlmfast.features.units import PROJECTOR_NAMES, TOWER_NAMES
+
+    names = TOWER_NAMES + (PROJECTOR_NAMES if frozen == "tower+projector" else ())
+    model = copy.deepcopy(case.model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not any(part in names for part in name.split(".")))
+    return model
+
+
+@pytest.mark.parametrize("frozen", ["tower", "tower+projector"])
+def test_vision_cache_over_two_epochs_gives_the_plain_updates_or_says_why_not(case, frozen, tmp_path):
+    """A frozen tower's features served from the cache in epoch 2: the same two SGD steps as without it (the
+    layout learned end to end on the model's first forward), or the cache turns itself off naming why."""
+    if case.name not in VLM_CASES:
+        pytest.skip("not a VLM: no vision tower to cache")
+    updates, caches = [], []
+    for enabled in (False, True):
+        model = _frozen_tower_copy(case, frozen)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = OptimizedTrainer(model, case.samples, spec(8, max_steps=2, optimizer={"name": "sgd", "lr": 0.1},
+                                   vision_cache={"enabled": enabled, "dir": str(tmp_path)}),
+                                   loss_fn=case.loss_fn, collate_fn=case.collate_fn)
+        result = trainer.fit()
+        updates.append({n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad})
+        caches.append((trainer, result))
+    assert_update_equal(updates[1], updates[0])
+    trainer, result = caches[1]
+    cache = next(s for s in trainer.strategies if s.name == "vision_cache").cache
+    if cache.disabled is None:
+        assert result.history[1]["vision_cache/hits"] > 0 and result.history[1]["vision_cache/misses"] == 0
+    else:  # refused by what was measured on this model: its layout, never its model type
+        assert "no image layout gives the model's own outputs" in cache.disabled, cache.disabled

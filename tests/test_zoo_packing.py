@@ -29,6 +29,9 @@ N = 6  # samples per step: 1, 0, 2, 1, 2, 0 images
 REFUSED = {  # family -> what the refusal must say: refused by its batch layout, on any release
     "mllama": r"packing cannot lay out batch key 'cross_attention_mask'.*cross-attention",
     "cnn": r"packing needs token sequences.*a list",
+    # images per sample (batch_num_images) decide each sample's image path (anyres for a lone image): one value per
+    # sample cannot stand for several documents in a row
+    "llava_onevision": r"packing cannot lay out batch key 'batch_num_images'.*per-sample values",
 }
 # Any other family is packed when the probe measures packing exact and refused, with this reason, when it does not:
 # which of the two a model gets may change between releases of transformers (PaliGemma's token_type_ids mask did).
@@ -112,8 +115,9 @@ def test_packing_equals_padding_or_is_refused_before_any_work(name):
                 start += lengths[i]
         packed_losses = per_document_losses(reference_model(**packed.tensors).logits, packed.tensors["labels"],
                                             [where[i] for i in range(N)])
+        first = padded["attention_mask"].int().argmax(1).tolist()  # 0, or where a left-padded row starts
         padded_losses = per_document_losses(reference_model(**padded).logits, padded["labels"],
-                                            [(i, 0, lengths[i]) for i in range(N)])
+                                            [(i, first[i], lengths[i]) for i in range(N)])
     torch.testing.assert_close(packed_losses, padded_losses, rtol=TOLERANCE, atol=TOLERANCE)
 
     # One SGD step with packing (rows split into micro-batches of 2): the update is minus the padded gradient.

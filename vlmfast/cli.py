@@ -17,21 +17,35 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-import yaml
-
-from vlmfast.cli_jobs import DEFAULT_TASK, add_job_arguments, build_spec, run_task
+from vlmfast.cli_jobs import DEFAULT_TASK, add_job_arguments, build_spec, run_task  # torch-free: argparse, yaml
 
 __all__ = ["main"]
+
+# The sub-commands registered by other modules: name -> (the help `vlmfast --help` lists, "module:registrar").
+# A registrar's module (and its package) may import torch, so only the command being run imports its registrar:
+# `vlmfast --help` and `vlmfast train --help` import neither torch nor the trainer. The help must equal the one the
+# registrar gives its own parser (tests/test_cli.py checks it).
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "estimate-memory": ("will a training run fit on a GPU, and which spec changes make it fit",
+                        "vlmfast.memory.estimate_cli:add_estimate_memory_parser"),
+    "doctor": ("profile a few steps of the job and print what is slow, ranked, with the spec change to try",
+               "vlmfast.profiling.doctor_cli:add_doctor_command"),
+    "shards": ("WebDataset tar shards for fast streaming training data", "vlmfast.data.shards_cli:add_shards_command"),
+    "bench": ("train the same VLM with a hand-written loop, vlmfast (each strategy, best), Accelerate, the HF Trainer "
+              "and Fabric; tables, charts, memory headroom", "vlmfast.bench.cli:add_bench_command"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `vlmfast` console script."""
-    parser = _parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser(argv)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -46,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The `vlmfast` parser. With `argv`, only the sub-command it names gets its full arguments from its registrar
+    (the others are listed by name and help, their modules not imported); without, every sub-command in full."""
+    command = next((word for word in argv if not word.startswith("-")), None) if argv is not None else None
     parser = argparse.ArgumentParser(prog="vlmfast", description="Fast, OOM-proof VLM training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -60,15 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     finder.add_argument("--margin", type=float, default=0.9, help="safety margin (fraction of device memory)")
     finder.set_defaults(run=_cmd_find_batch_size)
 
-    from vlmfast.bench.cli import add_bench_command
-    from vlmfast.data.shards_cli import add_shards_command
-    from vlmfast.memory.estimate_cli import add_estimate_memory_parser
-    from vlmfast.profiling.doctor_cli import add_doctor_command
-
-    add_estimate_memory_parser(sub)
-    add_doctor_command(sub)
-    add_shards_command(sub)
-    add_bench_command(sub)
+    for name, (help_text, registrar) in LAZY_COMMANDS.items():
+        if argv is None or name == command:
+            module, _, function = registrar.partition(":")
+            getattr(importlib.import_module(module), function)(sub)
+        else:  # listed only: never the command that runs
+            sub.add_parser(name, help=help_text)
 
     spec = sub.add_parser("spec", help="print the spec schema or a commented defaults template, or check a file")
     group = spec.add_mutually_exclusive_group(required=True)
@@ -80,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_spec(args: argparse.Namespace) -> int:
+    import json
+
+    import yaml
+
     from vlmfast.spec import TrainSpec, defaults_yaml
 
     if args.schema:
@@ -127,7 +145,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if not trainer.is_main_process:  # one copy of every message
         return 130 if result.interrupted else 0
     if result.interrupted:
-        print(f"interrupted by {result.interrupted}; checkpoint: {result.checkpoint}", file=sys.stderr)
+        saved = (f"checkpoint: {result.checkpoint}" if result.checkpoint is not None else "no checkpoint written"
+                 + ("" if trainer.spec.save.dir else " (no save.dir)"))
+        print(f"interrupted by {result.interrupted}; {saved}", file=sys.stderr)
         return 130
     if baseline is not None and result.eval_loss is not None:
         verdict = "below" if result.eval_loss < baseline else "NOT below"

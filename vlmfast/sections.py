@@ -67,6 +67,22 @@ class Section(BaseModel):
                 _check_number_type(item, kinds)
         return value
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_booleans_as_words(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML 1.1 reads `shift_labels: yes` as True and `progress: off` as False: a field whose choices are words
+        # ("yes"/"no", "on"/"off") takes the word back; a field that takes a boolean as such keeps it
+        if not isinstance(value, bool):
+            return value
+        words, takes_bool = _word_choices(cls.model_fields[info.field_name].annotation)
+        if takes_bool or not words & {"yes", "no", "on", "off"}:  # not a yes/no or on/off choice: other checks say
+            return value
+        word = next((w for w in (("yes", "on") if value else ("no", "off")) if w in words), None)
+        if word is None:
+            raise ValueError(f"expected one of {', '.join(repr(w) for w in sorted(words))}, got the boolean "
+                             f"{str(value).lower()} (YAML reads true/false, yes/no and on/off as booleans)")
+        return word
+
     @field_validator("*", mode="after")
     @classmethod
     def _finite_numbers(cls, value: Any) -> Any:
@@ -106,6 +122,19 @@ def _number_kinds(annotation: Any) -> set[str]:
         return {f"seq_{k}" for k in inner & {"int", "float"}} | ({"seq_bool"} if "bool" in inner else set())
     return {"bool"} if annotation is bool else {"int"} if annotation is int else {"float"} if annotation is float \
         else set()
+
+
+def _word_choices(annotation: Any) -> tuple[set[str], bool]:
+    """The text choices of a Literal field (through Annotated, Optional and unions), and whether it takes a bool."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _word_choices(args[0])
+    if origin in (Union, types.UnionType):
+        parts = [_word_choices(a) for a in args]
+        return set().union(*(w for w, _ in parts)), any(b for _, b in parts)
+    if origin is Literal:
+        return {a for a in args if isinstance(a, str)}, any(isinstance(a, bool) for a in args)
+    return set(), annotation is bool
 
 
 def _check_number_type(value: Any, kinds: set[str]) -> None:

@@ -129,6 +129,21 @@ def test_signal_writes_a_final_checkpoint_and_resume_continues_exactly(tmp_path,
         assert torch.equal(value, params_of(full_trainer.model)[name]), name
 
 
+def test_a_signal_without_save_dir_says_no_checkpoint_is_written(tmp_path, capsys):
+    """Without save.dir nothing is saved: the stop message must not promise a final checkpoint (issue 29)."""
+    spec = make_spec(log={"progress": "on"})  # the metrics logger prints (stderr) as on a terminal
+    model = SignalInsideAStep(step=2, micro=1, micro_per_step=spec.batch_size // spec.micro_batch_size,
+                              signum=signal.SIGTERM)
+    _, stopped = train(spec, model)
+    err = capsys.readouterr().err
+    assert stopped.interrupted == "SIGTERM" and stopped.checkpoint is None
+    assert "SIGTERM received: stopping (no save.dir: no checkpoint is written)" in err, err
+    assert "saving a final checkpoint" not in err
+    _, saved = train(make_spec(log={"progress": "on"}, save={"dir": str(tmp_path)}),
+                     SignalInsideAStep(step=2, micro=1, micro_per_step=4, signum=signal.SIGTERM))
+    assert saved.checkpoint is not None
+    assert "SIGTERM received: saving a final checkpoint and stopping" in capsys.readouterr().err
+
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         load_checkpoint(tmp_path / "step_00000009")

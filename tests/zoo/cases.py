@@ -98,6 +98,10 @@ class ProcessorCollate:
             kwargs["images"] = images
         batch = dict(self.processor(**kwargs))
         batch["labels"] = _labels(batch["input_ids"], self.ignore_ids)
+        # Each row's first real token is no target (real templates start with BOS or a system turn): under left
+        # padding (InternVL) it would be predicted from a pad, and the loss would depend on the row's padding.
+        first = batch["attention_mask"].long().argmax(dim=1)
+        batch["labels"][torch.arange(len(first)), first] = -100
         return batch
 
 
@@ -307,6 +311,165 @@ class MllamaCollate:
         return batch
 
 
+def _qwen3_vl(seed: int) -> ZooCase:
+    """Qwen3-VL: patches of 16 merged 2x2, a DeepStack merger feeding a vision layer's features into the LM."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
+               "<|video_pad|>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.Qwen2VLImageProcessorPil(min_pixels=64 * 64, max_pixels=64 * 96, patch_size=16,
+                                                 merge_size=2, temporal_patch_size=2)
+    processor = images_only(T.Qwen3VLProcessor)(image_processor=image_processor, tokenizer=tokenizer,
+                                                video_processor=None)
+    text = _text_config(len(tokenizer), head_dim=8, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],
+                        pad_token_id=0, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                         "mrope_interleaved": True, "rope_theta": 1e4})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0])
+    torch.manual_seed(seed)
+    config = T.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                             video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                             vision_end_token_id=ids["<|vision_end|>"])
+    model = T.Qwen3VLForConditionalGeneration(config)
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    collate = ProcessorCollate(processor, placeholder, tuple(ids.values()))
+    samples = _items(seed, [(64, 64), (64, 96), (96, 64)])
+    return ZooCase("qwen3_vl", model, samples, collate, image_token_ids=(ids["<|image_pad|>"],))
+
+
+def _gemma3(seed: int) -> ZooCase:
+    """Gemma 3: the processor expands ``<start_of_image>`` into boi + mm_tokens_per_image soft tokens + eoi; a
+    SigLIP tower of 4x4 patches average-pooled to 2x2 = 4 tokens; token_type_ids mark the image tokens."""
+    import transformers as T
+
+    special = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>",
+                               extra_special_tokens={"image_token": "<image_soft_token>",
+                                                     "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = T.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4)
+    torch.manual_seed(seed)
+    vision = T.SiglipVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2)
+    text = T.Gemma3TextConfig(**_text_config(len(tokenizer), head_dim=8, pad_token_id=0, bos_token_id=ids["<bos>"],
+                                             eos_token_id=ids["<eos>"], query_pre_attn_scalar=8, sliding_window=8,
+                                             layer_types=["sliding_attention", "full_attention"]))
+    config = T.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                            boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                            image_token_index=ids["<image_soft_token>"])
+    model = T.Gemma3ForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<start_of_image>", tuple(ids.values()))
+    return ZooCase("gemma3", model, _items(seed, [(32, 32), (32, 48), (48, 32)]), collate,
+                   image_token_ids=(ids["<image_soft_token>"],))
+
+
+def _internvl(seed: int) -> ZooCase:
+    """InternVL: images cropped into tiles (+ a thumbnail) of 16x16, 16 patches each pixel-shuffled to 4 tokens
+    between ``<img>``/``</img>``; the tokenizer pads on the left, as the real checkpoints' does."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                               extra_special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
+                                                     "context_image_token": "<IMG_CONTEXT>",
+                                                     "video_token": "<video>"})
+    tokenizer.padding_side = "left"
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.GotOcr2ImageProcessorPil(size={"height": 16, "width": 16}, crop_to_patches=True,
+                                                 min_patches=1, max_patches=2)
+    processor = images_only(T.InternVLProcessor)(image_processor=image_processor, tokenizer=tokenizer,
+                                                 video_processor=None, image_seq_length=4)
+    torch.manual_seed(seed)
+    vision = T.InternVLVisionConfig(image_size=16, patch_size=4, hidden_size=16, intermediate_size=32,
+                                    num_hidden_layers=1, num_attention_heads=2)
+    text = T.Qwen2Config(**_text_config(len(tokenizer), pad_token_id=0, bos_token_id=ids["<s>"],
+                                        eos_token_id=ids["</s>"]))
+    config = T.InternVLConfig(vision_config=vision, text_config=text, image_token_id=ids["<IMG_CONTEXT>"],
+                              image_seq_length=4, downsample_ratio=0.5)
+    model = T.InternVLForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<IMG_CONTEXT>", tuple(ids.values()))
+    return ZooCase("internvl", model, _items(seed, [(16, 16), (16, 32), (32, 16)]), collate,
+                   image_token_ids=(ids["<IMG_CONTEXT>"],))
+
+
+def _llava_onevision(seed: int) -> ZooCase:
+    """LLaVA-OneVision: a single image is anyres-tiled (base + tiles, unpadded, with newline tokens); each image of a
+    multi-image sample is its base features + one newline; ``batch_num_images`` tells the model which."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<image>", "<video>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    pinpoints = [[16, 16], [16, 32], [32, 16], [32, 32]]
+    image_processor = T.LlavaOnevisionImageProcessorPil(size={"height": 16, "width": 16},
+                                                        image_grid_pinpoints=pinpoints)
+    processor = images_only(T.LlavaOnevisionProcessor)(image_processor=image_processor, tokenizer=tokenizer,
+                                                       video_processor=None, num_image_tokens=4,
+                                                       vision_feature_select_strategy="full")
+    torch.manual_seed(seed)
+    vision = T.SiglipVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2)
+    text = T.Qwen2Config(**_text_config(len(tokenizer), pad_token_id=0))
+    config = T.LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=ids["<image>"],
+                                    video_token_index=ids["<video>"], vision_feature_select_strategy="full",
+                                    image_grid_pinpoints=pinpoints)
+    model = T.LlavaOnevisionForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<image>", tuple(ids.values()))
+    return ZooCase("llava_onevision", model, _items(seed, [(16, 32), (32, 32), (32, 16)]), collate,
+                   image_token_ids=(ids["<image>"],))
+
+
+def _pixtral_processor_class() -> type:
+    """The real PixtralProcessor. Its module imports ``get_resize_output_image_size`` from the torchvision image
+    processor's module (torchvision is absent here), only to count tokens for vLLM-style callers: it is imported with
+    that module standing in as the PIL image processor's module, which defines the same function."""
+    import importlib
+    import sys
+
+    name = "transformers.models.pixtral.processing_pixtral"
+    if name in sys.modules:
+        return sys.modules[name].PixtralProcessor
+    torchvision_module = "transformers.models.pixtral.image_processing_pixtral"
+    missing = torchvision_module not in sys.modules
+    if missing:
+        sys.modules[torchvision_module] = importlib.import_module(
+            "transformers.models.pixtral.image_processing_pil_pixtral")
+    try:
+        return importlib.import_module(name).PixtralProcessor
+    finally:
+        if missing:
+            del sys.modules[torchvision_module]
+
+
+def _mistral3(seed: int) -> ZooCase:
+    """Mistral 3 (Pixtral vision tower + 2x2 patch merger): PixtralProcessor expands ``[IMG]`` into rows of image
+    tokens, each row ended by ``[IMG_BREAK]`` and the last by ``[IMG_END]``; images of different sizes are padded to
+    the batch's largest, their true sizes in ``image_sizes``."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.PixtralImageProcessorPil(size={"longest_edge": 32}, patch_size=8)
+    processor = _pixtral_processor_class()(image_processor=image_processor, tokenizer=tokenizer, patch_size=4,
+                                           spatial_merge_size=2)
+    torch.manual_seed(seed)
+    vision = T.PixtralVisionConfig(image_size=32, patch_size=4, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2, head_dim=8)
+    text = T.MistralConfig(**_text_config(len(tokenizer), head_dim=8, pad_token_id=0, bos_token_id=ids["<s>"],
+                                          eos_token_id=ids["</s>"], sliding_window=None))
+    config = T.Mistral3Config(vision_config=vision, text_config=text, image_token_index=ids["[IMG]"],
+                              spatial_merge_size=2)
+    model = T.Mistral3ForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "[IMG]", tuple(ids.values()))
+    return ZooCase("mistral3", model, _items(seed, [(16, 16), (16, 32), (32, 24)]), collate,
+                   image_token_ids=(ids["[IMG]"],))
+
+
 @dataclass
 class TextCollate:
     """Tokenise and pad; labels = input_ids but padding."""
@@ -376,13 +539,19 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "idefics3": _idefics3,
     "paligemma": _paligemma,
     "mllama": _mllama,
+    "qwen3_vl": _qwen3_vl,
+    "gemma3": _gemma3,
+    "internvl": _internvl,
+    "llava_onevision": _llava_onevision,
+    "mistral3": _mistral3,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
     "cnn": _cnn,
 }
 ZOO = tuple(BUILDERS)
-VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama")
+VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
+             "gemma3", "internvl", "llava_onevision", "mistral3")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:

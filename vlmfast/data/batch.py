@@ -61,12 +61,13 @@ def host_micro_batches(batch: Any, micro_batch_size: int | Any, layout: BatchLay
     ``keys`` (rows are gathered: a copy, where slices are views). Usage:
     ``host_micro_batches(batch, 4, host=prefetcher.host_batch(batch))``
     """
+    if hasattr(micro_batch_size, "host_micro_batches"):  # a TokenBudget: its last split's, planned on the host
+        moved = isinstance(batch, SampleBatch) or (host is not None and host is not batch)
+        return micro_batch_size.host_micro_batches(host, keys) if moved else None
     if isinstance(batch, SampleBatch):
         return batch.host_micro_batches_at(micro_batch_size)
     if host is None or host is batch:
         return None
-    if hasattr(micro_batch_size, "host_micro_batches"):
-        return micro_batch_size.host_micro_batches(host, keys)
     return split_micro_batches(host, micro_batch_size, layout)
 
 

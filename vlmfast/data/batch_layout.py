@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BatchLayout", "BatchSplitError", "image_key_kinds", "num_samples", "split_collated"]
+__all__ = ["BatchLayout", "BatchSplitError", "image_key_kinds", "items_per_sample", "num_samples", "split_collated",
+           "take_samples"]
 
 ANCHOR_KEYS = ("input_ids", "attention_mask", "labels", "inputs_embeds", "token_type_ids")
 PER_SAMPLE_IMAGE_MARKERS = ("pixel_attention_mask", "aspect_ratio_ids", "aspect_ratio_mask", "images_per_row")
@@ -122,13 +123,102 @@ def split_collated(batch: Any, micro_batch_size: int, layout: BatchLayout | None
     n = num_samples(batch)
     if micro_batch_size >= n:
         return [batch]
-    bounds = [(start, min(start + micro_batch_size, n)) for start in range(0, n, micro_batch_size)]
+    return take_samples(batch, [range(a, min(a + micro_batch_size, n)) for a in range(0, n, micro_batch_size)],
+                        layout, host)
+
+
+def take_samples(batch: Any, groups: Sequence[Sequence[int]], layout: BatchLayout | None = None,
+                 host: Any = None) -> list[Any]:
+    """One micro-batch per group of sample indices (any order, any subset) of a collated batch, by the same
+    key-aware rules as :func:`split_collated`: each sample's images found from its image tokens, never by a
+    tensor's first dimension happening to equal the sample count. Contiguous groups are views, others gathers.
+
+    Usage: ``take_samples(batch, [[7, 2], [0, 1, 3]], BatchLayout.from_model(model))``
+    """
+    n = num_samples(batch)
+    groups = [_as_samples(g) for g in groups]
     if isinstance(batch, Mapping):
         rules = _mapping_rules(batch, n, layout or BatchLayout(), host if isinstance(host, Mapping) else batch)
-        parts = [{k: rules[k](a, b) for k in batch} for a, b in bounds]  # the batch's key order
+        parts = [{k: rules[k](g) for k in batch} for g in groups]  # the batch's key order
         return [_rebuild(batch, {k: v for k, v in part.items() if v is not _DROP}) for part in parts]
     rule = _generic_rule(batch, n, "the batch")
-    return [rule(a, b) for a, b in bounds]
+    return [rule(g) for g in groups]
+
+
+def items_per_sample(batch: Mapping[str, Any], layout: BatchLayout | None = None) -> list[int] | None:
+    """Images of each sample of a collated batch, by the rules that split it (image tokens in ``input_ids``, grids,
+    per-sample pixel masks); None when the batch has no image key. Raises :class:`BatchSplitError` when no rule
+    proves it. Usage: ``items_per_sample(batch, BatchLayout.from_model(model))`` -> ``[2, 0, 1]``"""
+    n = num_samples(batch)
+    kinds = image_key_kinds(batch, layout)
+    key = next((k for k in ("pixel_values", *IMAGE_KEYS) if kinds.get(k)), None)
+    if key is None:
+        return None
+    if kinds[key] == "sample":
+        return [1] * n
+    if kinds[key] == "slots":
+        counts = batch.get("images_per_row")
+        if isinstance(counts, Tensor):
+            return [int(c) for c in counts.tolist()]
+        mask = batch.get("pixel_attention_mask")
+        if isinstance(mask, Tensor) and mask.dim() >= 2 and mask.shape[0] == n:
+            return [int(c) for c in mask.flatten(2).any(dim=2).sum(dim=1).tolist()]
+        value = batch[key]
+        return [int(value.shape[1]) if isinstance(value, Tensor) and value.dim() > 1 else 1] * n
+    layout = layout or BatchLayout()
+    items, rows = _items(batch, "pixel_values", "image_grid_thw", ("image_sizes",))
+    keys = [k for k in ("pixel_values", "image_grid_thw", "image_sizes") if k in batch]
+    return _items_per_sample(batch, _token_mask(batch, layout.image_token_ids), items, rows, "image_grid_thw",
+                             ("image_sizes",), "image", keys)
+
+
+@dataclass(frozen=True)
+class _Samples:
+    """Sample indices, kept as a (start, stop) range when contiguous: slices stay views."""
+
+    indices: tuple[int, ...]
+    span: tuple[int, int] | None
+
+    def any_of(self, flags: Tensor) -> bool:
+        return bool(flags[self.span[0]:self.span[1]].any()) if self.span else bool(flags[list(self.indices)].any())
+
+
+def _as_samples(group: Sequence[int]) -> _Samples:
+    indices = tuple(int(i) for i in group)
+    contiguous = bool(indices) and indices == tuple(range(indices[0], indices[0] + len(indices)))
+    return _Samples(indices, (indices[0], indices[-1] + 1) if contiguous else None)
+
+
+def _gather(value: Any, samples: _Samples, dim: int = 0) -> Any:
+    """The samples' rows of a per-sample tensor or list along ``dim``."""
+    if samples.span is not None:
+        a, b = samples.span
+        return value[a:b] if dim == 0 else value.narrow(dim, a, b - a)
+    if isinstance(value, Tensor):
+        return value.index_select(dim, _index_on(samples.indices, value.device))
+    return type(value)(value[i] for i in samples.indices) if isinstance(value, tuple) else \
+        [value[i] for i in samples.indices]
+
+
+def _index_on(indices: Sequence[int], device: torch.device) -> Tensor:
+    """The indices as a tensor on ``device``, sent without waiting for the device: a blocking copy from pageable
+    memory ends in a stream synchronize, a non-blocking one from pinned memory is only queued and the pinned block
+    is kept until it ran (torch aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda: memcpy_and_sync vs
+    cudaMemcpyAsync + CachingHostAllocator_recordEvent)."""
+    index = torch.tensor(indices, dtype=torch.long)
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index if device.type == "cpu" else index.to(device)
+
+
+def _segments(value: Any, bounds: list[tuple[int, int]]) -> Any:
+    """The rows of ``value`` in ``bounds`` (start, stop) pairs, concatenated: a view when there is one."""
+    if len(bounds) == 1:
+        return value[bounds[0][0]:bounds[0][1]]
+    if isinstance(value, Tensor):
+        return torch.cat([value[a:b] for a, b in bounds])
+    picked = [item for a, b in bounds for item in value[a:b]]
+    return type(value)(picked) if isinstance(value, tuple) else picked
 
 
 def _rebuild(batch: Mapping[str, Any], values: dict[str, Any]) -> Any:
@@ -138,7 +228,7 @@ def _rebuild(batch: Mapping[str, Any], values: dict[str, Any]) -> Any:
         return dict(values)
 
 
-Rule = Callable[[int, int], Any]
+Rule = Callable[["_Samples"], Any]
 
 
 def _mapping_rules(batch: Mapping[str, Any], n: int, layout: BatchLayout, host: Mapping[str, Any]) -> dict[str, Rule]:
@@ -154,7 +244,7 @@ def _mapping_rules(batch: Mapping[str, Any], n: int, layout: BatchLayout, host: 
         if key in rules:
             continue
         if key == "position_ids" and _channels_first(value, n, batch.get("input_ids")):
-            rules[key] = lambda a, b, v=value: v[:, a:b]  # mRoPE: [channels, samples, T]
+            rules[key] = lambda g, v=value: _gather(v, g, dim=1)  # mRoPE: [channels, samples, T]
         else:
             rules[key] = _generic_rule(value, n, f"'{key}'")
     return rules
@@ -231,7 +321,7 @@ def _unless_no_pixels(rule: Rule, pixel_mask: Any, n: int) -> Rule:
     if not (isinstance(pixel_mask, Tensor) and pixel_mask.dim() > 0 and pixel_mask.shape[0] == n):
         return rule
     real = pixel_mask.flatten(1).any(dim=1)
-    return lambda a, b: rule(a, b) if bool(real[a:b].any()) else _DROP
+    return lambda g: rule(g) if g.any_of(real) else _DROP
 
 
 def _stream_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None, data_key: str, grid_key: str,
@@ -241,7 +331,8 @@ def _stream_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None, data_
     if not keys:
         return {}
     items, rows = _items(host, data_key, grid_key, item_keys)
-    counts = _items_per_sample(batch, tokens, items, rows, grid_key, item_keys, what, keys)
+    count_key = _count_key(host, n, tokens, items) if what == "image" else None
+    counts = _items_per_sample(host, tokens, items, rows, grid_key, item_keys, what, keys)
     starts = [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()]  # first item of each sample
     row_starts = [0, *torch.tensor(rows, dtype=torch.long).cumsum(0).tolist()] if rows is not None else []
 
@@ -250,17 +341,28 @@ def _stream_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None, data_
         # Flattened patches: the rows of the samples' images; any other key: one row per item.
         first = row_starts if key == data_key and rows is not None else list(range(items + 1))
 
-        def rule(a: int, b: int) -> Any:
-            if starts[b] == starts[a]:
+        def rule(g: _Samples) -> Any:
+            bounds = [(first[starts[i]], first[starts[i + 1]]) for i in g.indices if starts[i + 1] > starts[i]]
+            if not bounds:
                 return _DROP  # no item in these samples: no key, as a processor returns for text-only samples
-            return value[first[starts[a]]:first[starts[b]]]
+            merged = [bounds[0]]  # adjacent samples' items in one slice: a contiguous group stays a view
+            for a, b in bounds[1:]:
+                merged[-1:] = [(merged[-1][0], b)] if a == merged[-1][1] else [merged[-1], (a, b)]
+            return _segments(value, merged)
         return rule
 
     for key in keys:
         if not isinstance(batch[key], (Tensor, list, tuple)):
             raise BatchSplitError(f"cannot split the batch into micro-batches of samples: '{key}' is a "
                                   f"{type(batch[key]).__name__}, expected a tensor of one row per {what}; {FIX}")
-    return {key: rule_for(key) for key in keys}
+    rules = {key: rule_for(key) for key in keys}
+    if count_key is not None and len(batch[count_key]) != n:  # one entry per sample that has images
+        entry = [0] * n  # each image-carrying sample's entry
+        for position, sample in enumerate(i for i, c in enumerate(counts) if c):
+            entry[sample] = position
+        rules[count_key] = lambda g, v=batch[count_key]: _DROP if not any(counts[i] for i in g.indices) else \
+            _segments(v, [(entry[i], entry[i] + 1) for i in g.indices if counts[i]])
+    return rules
 
 
 def _items(batch: Mapping[str, Any], data_key: str, grid_key: str,
@@ -288,12 +390,18 @@ def _items_per_sample(batch: Mapping[str, Any], tokens: Tensor | None, items: in
             f"unknown (the model's config has no {what}_token_id; pass layout=BatchLayout({what}_token_ids=(id,))) "
             f"or input_ids is missing; or {FIX}")
     per_sample = tokens.sum(dim=1).tolist()
-    if rows is not None:
+    count_key = _count_key(batch, tokens.shape[0], tokens, items) if what == "image" else None
+    if count_key is not None:  # the processor's own per-sample counts, checked against the items and the tokens
+        counts = _counts_from_key(batch[count_key], tokens)
+        how = f"'{count_key}' (images per sample)"
+    elif rows is not None:
         counts = _counts_by_token_length(per_sample, rows)
         how = f"each {what}'s tokens ({grid_key} patches / merge factor)"
     elif any(k in batch for k in item_keys):
-        counts = _counts_by_runs(tokens)
-        how = f"runs of {what} tokens per sample"
+        sizes = batch.get("image_sizes")
+        counts = _counts_by_size(per_sample, sizes) if isinstance(sizes, Tensor) else None
+        counts = counts or _counts_by_runs(tokens)
+        how = f"each {what}'s size in image_sizes (tokens in proportion to its area), or runs of {what} tokens"
     else:
         counts = _counts_by_fixed_length(per_sample, items) or _counts_by_runs(tokens)
         how = f"a fixed number of tokens per {what}, or runs of {what} tokens"
@@ -326,6 +434,42 @@ def _counts_by_token_length(per_sample: list[int], rows: list[int]) -> list[int]
     return counts if i == len(lengths) else None
 
 
+def _count_key(batch: Mapping[str, Any], n: int, tokens: Tensor | None, items: int) -> str | None:
+    """The one key that holds images per sample (LLaVA-OneVision's ``batch_num_images``), learned by what it holds,
+    not by its name: a 1-D integer tensor outside the known keys, one entry per sample (or per sample that has image
+    tokens), summing to the batch's images."""
+    if tokens is None or items == 0:
+        return None
+    carrying = int(tokens.any(dim=1).sum())
+    known = {*ANCHOR_KEYS, *IMAGE_KEYS, *VIDEO_KEYS, "position_ids", "labels"}
+    found = [key for key, value in batch.items()
+             if key not in known and isinstance(value, Tensor) and value.dim() == 1 and not value.is_floating_point()
+             and len(value) in (n, carrying) and int(value.sum()) == items and bool((value >= 0).all())]
+    return found[0] if len(found) == 1 else None
+
+
+def _counts_from_key(value: Tensor, tokens: Tensor) -> list[int] | None:
+    carrying = tokens.any(dim=1).tolist()
+    if len(value) == len(carrying):
+        counts = [int(c) for c in value.tolist()]
+    else:
+        given = iter(value.tolist())
+        counts = [int(next(given)) if has else 0 for has in carrying]
+    return counts if all((c > 0) == has for c, has in zip(counts, carrying, strict=True)) else None
+
+
+def _counts_by_size(per_sample: list[int], sizes: Tensor) -> list[int] | None:
+    """Images per sample when each image's tokens are proportional to its area (``image_sizes`` [N, 2] of the
+    processed images: Pixtral's rows of patches, whose break tokens split one image into several runs)."""
+    if sizes.dim() != 2 or sizes.shape[-1] != 2 or not len(sizes):
+        return None
+    areas = [int(h) * int(w) for h, w in sizes.tolist()]
+    total = sum(per_sample)
+    if total == 0 or any(a * total % sum(areas) for a in areas):
+        return None
+    return _counts_by_token_length(per_sample, [a * total // sum(areas) for a in areas])
+
+
 def _counts_by_fixed_length(per_sample: list[int], items: int) -> list[int] | None:
     total = sum(per_sample)
     if items == 0 or total % items:
@@ -346,27 +490,27 @@ def _generic_rule(value: Any, n: int, name: str) -> Rule:
     """Per-sample slicing for a value whose layout is one row (item) per sample; scalars go everywhere."""
     if isinstance(value, Tensor):
         if value.dim() == 0:
-            return lambda a, b: value
+            return lambda g: value
         if value.shape[0] == n:
-            return lambda a, b: value[a:b]
+            return lambda g: _gather(value, g)
         raise BatchSplitError(
             f"cannot split the batch into micro-batches of samples: {name} has shape {tuple(value.shape)}, whose "
             f"first dimension is not the {n} samples, and vlmfast does not know its layout; {FIX}")
     if isinstance(value, SCALARS):
-        return lambda a, b: value
+        return lambda g: value
     if isinstance(value, Mapping):
         rules = {k: _generic_rule(v, n, f"'{k}' in {name}") for k, v in value.items()}
-        return lambda a, b: _rebuild(value, {k: r(a, b) for k, r in rules.items()})
+        return lambda g: _rebuild(value, {k: r(g) for k, r in rules.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         rules_nt = [_generic_rule(v, n, f"{name}.{f}") for f, v in zip(value._fields, value, strict=True)]
-        return lambda a, b: type(value)(*(r(a, b) for r in rules_nt))
+        return lambda g: type(value)(*(r(g) for r in rules_nt))
     if isinstance(value, (list, tuple)):
         if any(isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n for v in value) or (
                 len(value) != n and any(isinstance(v, Tensor) for v in value)):
             rules_seq = [_generic_rule(v, n, f"{name}[{i}]") for i, v in enumerate(value)]  # positional batch
-            return lambda a, b: type(value)(r(a, b) for r in rules_seq)
+            return lambda g: type(value)(r(g) for r in rules_seq)
         if len(value) == n:
-            return lambda a, b: value[a:b]  # one item per sample (captions, per-sample tensors)
+            return lambda g: _gather(value, g)  # one item per sample (captions, per-sample tensors)
         raise BatchSplitError(
             f"cannot split the batch into micro-batches of samples: {name} is a {type(value).__name__} of "
             f"{len(value)} items for {n} samples, and vlmfast does not know its layout; {FIX}")

@@ -31,7 +31,7 @@ import torch
 from accelerate.utils import send_to_device
 from torch.utils.data import default_collate
 
-from vlmfast.data.batch_layout import BatchLayout, split_collated
+from vlmfast.data.batch_layout import BatchLayout, split_collated, take_samples
 
 __all__ = ["SampleBatch", "SampleCollate", "split_micro_batches"]
 
@@ -69,6 +69,7 @@ class SampleBatch:
         self.collate_fn = collate_fn
         self.on_resize: Callable[[int], None] | None = None  # the loader's: collate later batches at the new size
         self._steps: list[Callable[[Any], Any]] = []  # device copy and transforms, replayed on re-collated ones
+        self.group_host_micro_batches: list[Any] = []  # the host micro-batches of the last collate_groups
 
     @classmethod
     def from_samples(cls, samples: Sequence[Any], collate_fn: Collate | None = None) -> SampleBatch:
@@ -142,6 +143,25 @@ class SampleBatch:
             return split_collated(self.host_micro_batches[0], micro_batch_size)
         self.micro_batches_at(micro_batch_size)  # collated again (host and device) if the size changed
         return self.host_micro_batches
+
+    def collate_groups(self, groups: Sequence[Sequence[int]]) -> list[Any]:
+        """One micro-batch per group of sample indices (a token budget's plan), each collated from its own samples
+        by the collate function (a default_collate batch: gathered from the stacked whole, the same thing), with the
+        device copy and transforms replayed. Their host versions are :attr:`group_host_micro_batches` (counting).
+        Usage: ``batch.collate_groups([[7, 2], [0, 1, 3]])``"""
+        if self.whole is not None:
+            host_whole = self.host_micro_batches[0]
+            self.group_host_micro_batches = take_samples(host_whole, groups)
+            return take_samples(self.whole, groups, host=host_whole)
+        collate = self.collate_fn or default_collate
+        host = [collate([self.samples[i] for i in group]) for group in groups]
+        self.group_host_micro_batches = host
+        fresh = []
+        for micro_batch in host:
+            for step in self._steps:
+                micro_batch = step(micro_batch)
+            fresh.append(micro_batch)
+        return fresh
 
     def first(self, samples: int) -> Any:
         """The first ``samples`` samples collated as one micro-batch, leaving this batch as it is (probes)."""

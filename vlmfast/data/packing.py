@@ -94,7 +94,8 @@ def plan_rows(lengths: Sequence[int], max_tokens: int, algorithm: Algorithm = "b
 
 def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_values",),
                 layout: BatchLayout | None = None) -> list[Document]:
-    """Split a right-padded batch (``attention_mask`` [B, T]) back into one document per sample.
+    """Split a padded batch (``attention_mask`` [B, T], each row's real tokens one run: right or left padding) back
+    into one document per sample (left-padded rows are re-padded to the right: a document is its real tokens).
 
     Images are split by the key-aware rules that split micro-batches (:func:`split_collated`, with the model's
     image token ids in ``layout``): each document gets its own images ``[n, ...]`` (none for a text-only sample).
@@ -109,8 +110,11 @@ def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_va
                            f"sample's length; collate_fn returned the keys {sorted(batch)}")
     b, t = mask.shape
     lengths = mask.sum(-1)
-    if not torch.equal(mask.bool(), torch.arange(t)[None, :] < lengths[:, None]):
-        raise PackingError("packing needs right-padded samples (attention_mask 1...1 0...0); use padding_side='right'")
+    starts = mask.ne(0).int().argmax(dim=-1) * lengths.ne(0)  # each row's first real token (left padding: > 0)
+    columns = torch.arange(t)[None, :]
+    if not torch.equal(mask.bool(), (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])):
+        raise PackingError("packing needs each sample's real tokens in one run (attention_mask 0...0 1...1 0...0: "
+                           "right or left padding); a mask with holes cannot be unpadded")
     for key, value in batch.items():
         if not isinstance(value, Tensor):
             raise PackingError(f"packing cannot carry batch key '{key}' ({type(value).__name__}): drop it in "
@@ -125,8 +129,9 @@ def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_va
         parts = split_collated(batch, 1, layout) if b > 1 else [batch]
     except BatchSplitError as e:
         raise PackingError(f"packing cannot split the batch into its samples: {e}") from None
-    docs = [{k: _sample_value(k, v, kinds.get(k), int(n), t) for k, v in part.items()}
-            for part, n in zip(parts, lengths.tolist(), strict=True)]
+    spans = [slice(a, a + n) for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+    docs = [{k: _sample_value(k, v, kinds.get(k), span, t) for k, v in part.items()}
+            for part, span in zip(parts, spans, strict=True)]
     return [_without_padding_slots(doc, [k for k, kind in kinds.items() if kind == "slots"]) for doc in docs]
 
 
@@ -141,8 +146,9 @@ def _without_padding_slots(doc: Document, keys: list[str]) -> Document:
     return {k: (v[:keep] if k in keys else v) for k, v in doc.items()}
 
 
-def _sample_value(key: str, value: Tensor, kind: str | None, n: int, t: int) -> Tensor:
-    """One sample's value (``value`` is the sample's slice of the batch) as a document holds it."""
+def _sample_value(key: str, value: Tensor, kind: str | None, span: slice, t: int) -> Tensor:
+    """One sample's value (``value`` is the sample's slice of the batch; ``span``: its real tokens) as a document
+    holds it."""
     if kind == "items":
         return value  # [its images (or patches), ...]
     if kind == "slots":
@@ -150,9 +156,9 @@ def _sample_value(key: str, value: Tensor, kind: str | None, n: int, t: int) -> 
     if kind == "sample":
         return value  # [1, ...]: its one image
     if key == "position_ids" and value.dim() == 3 and value.shape[1:] == (1, t):
-        return value[:, 0, :n]  # mRoPE [channels, 1, T]
+        return value[:, 0, span]  # mRoPE [channels, 1, T]
     if value.dim() == 2 and value.shape == (1, t):
-        return value[0, :n]
+        return value[0, span]
     raise PackingError(f"packing cannot lay out batch key '{key}' (one sample: {tuple(value.shape)}) in a packed "
                        "row: a row keeps per-token keys [B, T] and per-image keys, not per-sample values (they would "
                        "have to stay one per row); set packing.enabled: false")

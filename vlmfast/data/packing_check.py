@@ -133,7 +133,9 @@ def _difference(outputs: list[Any], padded: Mapping[str, Any], row: list[int],
                 placeholders: list[int]) -> tuple[float, str]:
     """Largest difference of each document's logits (relative to the largest padded logit), else of the loss."""
     logits_padded, logits_packed = (_logits(o) for o in outputs)
-    lengths = padded["attention_mask"].sum(-1).tolist()
+    mask = padded["attention_mask"]
+    lengths = mask.sum(-1).tolist()
+    first = (mask.ne(0).int().argmax(dim=-1) * mask.sum(-1).ne(0)).tolist()  # left-padded rows start later
     aligned = (logits_padded is not None and logits_packed is not None
                and logits_padded.shape[1] == padded["input_ids"].shape[1])
     if not aligned:
@@ -144,6 +146,6 @@ def _difference(outputs: list[Any], padded: Mapping[str, Any], row: list[int],
     for i in row:
         begin = start + placeholders[i]
         here = logits_packed[0, begin : begin + lengths[i]].float()
-        worst = max(worst, float((here - logits_padded[i, : lengths[i]].float()).abs().max()))
+        worst = max(worst, float((here - logits_padded[i, first[i]: first[i] + lengths[i]].float()).abs().max()))
         start = begin + lengths[i]
     return worst / max(float(logits_padded.float().abs().max()), 1e-12), "logits"

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from vlmfast.features.keys import KEYS_FIELD, FlatKeys, hash_bytes, tensor_key
 from vlmfast.features.store import FeatureStore
-from vlmfast.features.units import CallImages, Unit, resolve_unit
+from vlmfast.features.units import CallImages, Unit, model_results, resolve_unit, tensors_close
 
 __all__ = ["CacheStats", "FeatureCache"]
 
@@ -114,6 +114,8 @@ class FeatureCache:
         self._pending: list[str] | None = None  # the keys of the current forward's images, from the batch
         self._keys_in_order: bool | None = None  # batch keys verified against the tower's inputs (None: not yet)
         self._probed = False
+        self._trial: Any = None  # while learning the layout: "real" or the candidate adapter being tried
+        self._trial_error: str | None = None
         self._runs = 0
         self._timed_runs = 0
         self._events: list[tuple[Any, Any, int]] = []  # CUDA (start, end, images) not yet read
@@ -128,6 +130,10 @@ class FeatureCache:
 
     # ---- the model's side ---------------------------------------------------------------------------------------
     def _take_keys(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        adapter = self.unit.adapter
+        if getattr(adapter, "learning", False) and self._trial is None and self.disabled is None \
+                and self._refusal(None) is None and adapter.images_in(kwargs) >= 2:
+            self.learn_layout(module, args, {k: v for k, v in kwargs.items() if k != KEYS_FIELD})
         keys = kwargs.pop(KEYS_FIELD, None)
         if keys is None:
             return None
@@ -137,12 +143,64 @@ class FeatureCache:
     def _drop_keys(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self._pending = None
 
+    # ---- learning the layout (LearnedAdapter) -------------------------------------------------------------------
+    def learn_layout(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Try each candidate layout end to end on this forward (no grad, eval mode, random state restored): the
+        model's outputs with the call answered from per-image features must equal its outputs with the real call."""
+        adapter = self.unit.adapter
+        modes = [(m, m.training) for m in model.modules()]
+        device = self._device()
+        reasons = []
+        model.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self._trial = "real"
+                reference = model_results(model.forward(*args, **kwargs))
+                for candidate in adapter.candidates:
+                    self._trial, self._trial_error = candidate, None
+                    try:
+                        got = model_results(model.forward(*args, **kwargs))
+                    except Exception as exc:  # a layout that cannot run this call is not the model's
+                        self._trial_error = self._trial_error or f"{type(exc).__name__}"
+                        got = []
+                    same = len(got) == len(reference) and all(map(tensors_close, got, reference))
+                    if self._trial_error is None and same:
+                        adapter.chosen = candidate
+                        return
+                    reasons.append(f"{type(candidate).__name__}: {self._trial_error or 'other model outputs'}")
+        finally:
+            self._trial = None
+            for module, training in modes:
+                module.training = training
+        adapter.failed = ("no image layout gives the model's own outputs when its image features are served per "
+                          f"image ({'; '.join(reasons)})")
+        self._refuse(adapter.failed)
+
+    def _trial_call(self, arguments: dict[str, Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        candidate = self._trial
+        images = None if candidate == "real" or arguments is None else candidate.split(arguments)
+        if images is None:
+            if candidate != "real":
+                self._trial_error = "cannot cut the call into images"
+            return self._original(*args, **kwargs)
+        other = [name for name, value in arguments.items() if isinstance(value, Tensor) and name not in images.args]
+        if other:  # what _namespace refuses: features that depend on a per-call tensor have no safe key
+            self._trial_error = f"the call also takes {', '.join(other)}, per-call tensors its features depend on"
+        real = [i for i, is_real in enumerate(images.real) if is_real]
+        features, _ = candidate.run(self._original, arguments, images, real)
+        alone = candidate.run(self._original, arguments, images, real[-1:])[0]
+        if not (alone and tensors_close(alone[0], features[-1])):
+            self._trial_error = "an image run alone gives other features than in the whole call"
+        return candidate.assemble(features, images, arguments)
+
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         pending, self._pending = self._pending, None
         if self.disabled is not None:
             return self._original(*args, **kwargs)
         start = time.perf_counter()
         arguments = self._arguments(args, kwargs)
+        if self._trial is not None:  # learning the layout (learn_layout): answer from per-image features
+            return self._trial_call(arguments, args, kwargs)
         images = None if arguments is None else self.unit.adapter.split(arguments)
         refusal = self._refusal(images)
         if refusal is not None:

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CallImages", "HFTowerAdapter", "Idefics3Adapter", "Qwen2VLAdapter", "RowsAdapter", "Unit", "resolve_unit"]
+__all__ = ["CallImages", "HFTowerAdapter", "Idefics3Adapter", "LearnedAdapter", "Qwen2VLAdapter", "RowsAdapter",
+           "Unit", "resolve_unit"]
 
 TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
 PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "projector", "connector", "vision_proj")
@@ -76,8 +77,8 @@ def _model_output(pooled: Sequence[Tensor], as_tuple: bool) -> Any:
 
 class RowsAdapter:
     """One image per row of the image tensor (argument `image_arg`); every other tensor argument with as many rows
-    (a patch mask) belongs to its row's image. The output is a tensor of rows or a ``pooler_output`` list of
-    per-image tensors (`output`: "tensor" or "pooled")."""
+    (a patch mask) belongs to its row's image. The output is a tensor of rows, a ``pooler_output`` list of per-image
+    tensors, or a ``pooler_output`` tensor of rows (`output`: "tensor", "pooled" or "pooled_tensor")."""
 
     def __init__(self, image_arg: str, output: str = "tensor") -> None:
         self.image_arg, self.output = image_arg, output
@@ -108,6 +109,10 @@ class RowsAdapter:
     def assemble(self, features: list[Tensor], images: CallImages, arguments: dict[str, Any]) -> Any:
         if self.output == "tensor":
             return torch.stack(features)
+        if self.output == "pooled_tensor":  # pooler_output [images, tokens, dim] (Gemma 3, PaliGemma, InternVL)
+            from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+            return BaseModelOutputWithPooling(pooler_output=torch.stack(features))
         return _model_output(features, as_tuple=False)
 
 
@@ -226,13 +231,70 @@ class Qwen2VLAdapter:
         return _model_output(features, as_tuple=True)
 
 
-HF_ADAPTERS: dict[str, Callable[[], Any]] = {
-    "llava": lambda: RowsAdapter("pixel_values", output="pooled"),
-    "idefics3": Idefics3Adapter,
-    "smolvlm": Idefics3Adapter,
-    "qwen2_vl": Qwen2VLAdapter,
-    "qwen2_5_vl": Qwen2VLAdapter,
-}
+class LearnedAdapter:
+    """The layout of a call, learned from the model itself rather than listed per model type.
+
+    The candidates (patches with a grid, per-row image slots, one image per row with a pooled or a tensor output)
+    are tried end to end by the cache (:meth:`FeatureCache.learn_layout`) on the first forward whose images number
+    two or more: the model's own outputs with the call answered from per-image features (each image's features as
+    in the whole call, the last image also run alone) must equal its outputs with the real call. The first candidate
+    that holds is kept; when none does, the cache turns off naming why. Usage: ``LearnedAdapter("pixel_values")``
+    """
+
+    def __init__(self, image_arg: str = "pixel_values", candidates: Sequence[Any] | None = None) -> None:
+        self.candidates = list(candidates) if candidates is not None else [
+            Qwen2VLAdapter(), Idefics3Adapter(),
+            *(RowsAdapter(image_arg, output=kind) for kind in ("pooled", "pooled_tensor", "tensor"))]
+        self.chosen: Any = None
+        self.failed: str | None = None
+
+    @property
+    def learning(self) -> bool:
+        return self.chosen is None and self.failed is None
+
+    def images_in(self, arguments: dict[str, Any]) -> int:
+        """The most real images any candidate cuts from `arguments` (0 when none can)."""
+        counts = [sum(images.real) for c in self.candidates if (images := c.split(arguments)) is not None]
+        return max(counts, default=0)
+
+    def split(self, arguments: dict[str, Any]) -> CallImages | None:
+        return self.chosen.split(arguments) if self.chosen is not None else None
+
+    def run(self, fn: Callable[..., Any], arguments: dict[str, Any], images: CallImages,
+            indices: list[int]) -> tuple[list[Tensor], Any]:
+        return self.chosen.run(fn, arguments, images, indices)
+
+    def assemble(self, features: list[Tensor], images: CallImages, arguments: dict[str, Any]) -> Any:
+        return self.chosen.assemble(features, images, arguments)
+
+
+def model_results(output: Any) -> list[Tensor]:
+    """What training uses of a model's output: its loss and logits when it has them (a model may also echo internal
+    values, such as the image call's own output), else every tensor it holds."""
+    if isinstance(output, dict) and ("loss" in output or "logits" in output):
+        return [t for key in ("loss", "logits") for t in output_tensors(output.get(key))]
+    return output_tensors(output)
+
+
+def output_tensors(output: Any) -> list[Tensor]:
+    """Every tensor an output holds, in order (a ModelOutput's fields, lists and tuples flattened)."""
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, dict):  # ModelOutput is a dict of its set fields
+        return [t for value in output.values() for t in output_tensors(value)]
+    if isinstance(output, (list, tuple)):
+        return [t for value in output for t in output_tensors(value)]
+    return []
+
+
+def tensors_close(a: Tensor, b: Tensor) -> bool:
+    """Equal up to the last bits that another batch size changes (relative to the larger tensor's scale)."""
+    if a.shape != b.shape:
+        return False
+    scale = float(b.detach().float().abs().max()) if b.numel() else 0.0
+    tolerance = 1e-4 if b.dtype in (torch.float32, torch.float64) else 2e-2  # another batch size: last bits differ
+    return float((a.detach().float() - b.detach().float()).abs().max() if a.numel() else 0.0) <= tolerance * max(
+        scale, 1e-6)
 
 
 @dataclass
@@ -278,20 +340,18 @@ def resolve_unit(model: nn.Module, scope: str = "auto", module: str | None = Non
         raise ValueError(f"vision_cache.scope is tower_and_projector but the model {reason}: use scope: tower")
     if whole and hasattr(owner, "get_image_features"):
         modules = {tower_path: tower, **({projector[0]: projector[1]} if projector else {})}
-        if model_type is not None:  # a Hugging Face VLM
-            if model_type not in HF_ADAPTERS:
-                raise ValueError(f"vision_cache: {type(owner).__name__} (model_type '{model_type}') has no known "
-                                 f"image layout; supported: {', '.join(sorted(HF_ADAPTERS))}")
-            return Unit(owner, "get_image_features", HF_ADAPTERS[model_type](), modules, config)
+        if model_type is not None:  # a Hugging Face VLM: its layout learned on its first forward with two images
+            return Unit(owner, "get_image_features", LearnedAdapter(_first_argument(owner.get_image_features)),
+                        modules, config)
         return Unit(owner, "get_image_features", RowsAdapter(_first_argument(owner.get_image_features)), modules,
                     config)
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         raise ValueError(f"vision_cache: Qwen2-VL's merger (the projector) sits inside '{tower_path}' and trains: "
                          "freeze it too (the whole visual tower is then cached), or set vision_cache.enabled: false")
-    if _is_hf(tower):
+    if _is_hf(tower):  # one image per row, checked end to end on the first forward with two images
         layers = getattr(getattr(tower, "config", None), "num_hidden_layers", 0) + 1
-        return Unit(tower, "forward", HFTowerAdapter(_first_argument(tower.forward), layers), {tower_path: tower},
-                    config)
+        adapter = LearnedAdapter(candidates=[HFTowerAdapter(_first_argument(tower.forward), layers)])
+        return Unit(tower, "forward", adapter, {tower_path: tower}, config)
     return Unit(tower, "forward", RowsAdapter(_first_argument(tower.forward)), {tower_path: tower}, config)
 
 

@@ -200,9 +200,10 @@ def _probe_shift(run: _Runner, sample: dict[str, Any], label_key: str, ignore_in
         loss_last = run.loss(_with_labels(sample, label_key, last))
     except Exception as exc:  # a model that cannot run on one sample with these labels
         from vlmfast.memory.oom_errors import is_oom_error
+        from vlmfast.models.outputs import NoLossError
 
-        if is_oom_error(exc):  # the OOM fallback's business, not a convention
-            raise
+        if is_oom_error(exc) or isinstance(exc, NoLossError):  # the OOM fallback's business / no loss at all:
+            raise  # loss.shift_labels would not help, a loss_fn would (the message says so)
         return _declared_or_ask(model, f"the probe forward raised {type(exc).__name__}: {exc}")
     reads_labels = not _same(loss_last, loss_none)
     if reads_labels and _same(loss_first, loss_none):

@@ -28,7 +28,7 @@ from torch import nn
 from vlmfast.data.batch import batch_size_of, host_micro_batches, move_to_device
 from vlmfast.data.batch_layout import BatchLayout
 from vlmfast.data.micro_batches import split_micro_batches
-from vlmfast.engines.collectives import all_reduce_sum, sum_and_max, sum_loss_and_flags, world_size
+from vlmfast.engines.collectives import all_reduce_sum, gather_objects, sum_and_max, sum_loss_and_flags, world_size
 from vlmfast.integrations import (
     after_agreement,
     check_loop,
@@ -37,7 +37,7 @@ from vlmfast.integrations import (
     loop_of,
     no_sync,
 )
-from vlmfast.models.conventions import LabelConventions, probe_label_conventions
+from vlmfast.models.conventions import LabelConventionError, LabelConventions, probe_label_conventions
 from vlmfast.models.outputs import call_model, extract_loss
 from vlmfast.strategies.base import Step, Strategy
 from vlmfast.utils import unwrap_model
@@ -142,6 +142,7 @@ class GradientAccumulation(Strategy):
         self.model: nn.Module | None = None
         self.layout: BatchLayout | None = None
         self.conventions: LabelConventions | None = None
+        self.warned_padded_labels = False  # loss tokens on padding: said once
 
     def apply(self, model: nn.Module) -> nn.Module:
         # Measured, not guessed: on the first batch's first micro-batch (vlmfast.models.conventions), see plan().
@@ -152,17 +153,33 @@ class GradientAccumulation(Strategy):
         self.batchnorm = batchnorm_layers(model)
         return model
 
-    def _resolve_conventions(self, micro_batch: Any) -> None:
-        """Probe once whether the model shifts labels and honours num_items_in_batch (when labels are counted)."""
+    def _resolve_conventions(self, micro_batches: list[Any]) -> None:
+        """Probe once whether the model shifts labels and honours num_items_in_batch (when labels are counted).
+
+        Every rank probes its first micro-batch wide enough to probe with (labels of >= 3 positions), then all
+        ranks take one verdict: rank 0's, else the first rank's that could decide; refused on every rank alike
+        when none could. So a rank whose first samples happen to be too short never decides alone, or dies alone."""
         if self.conventions is not None or self.model is None:
             return
-        if not (isinstance(micro_batch, Mapping) and isinstance(micro_batch.get(self.label_key), torch.Tensor)):
+        labelled = [mb for mb in micro_batches
+                    if isinstance(mb, Mapping) and isinstance(mb.get(self.label_key), torch.Tensor)]
+        if not labelled:
             return  # no labels to count: the conventions do not matter (samples weighting or loss_fn counts)
+        wide = next((mb for mb in labelled if mb[self.label_key].dim() and mb[self.label_key].shape[-1] >= 3),
+                    labelled[0])
         loss_fn = self.loss_fn
-        self.conventions = probe_label_conventions(
-            self.model, micro_batch, label_key=self.label_key, ignore_index=self.ignore_index,
-            shift_labels=self.shift_labels if isinstance(self.shift_labels, bool) else None,
-            call=(lambda model, batch: loss_fn(model, batch)) if loss_fn is not None else None)
+        try:
+            verdict: LabelConventions | str = probe_label_conventions(
+                self.model, wide, label_key=self.label_key, ignore_index=self.ignore_index,
+                shift_labels=self.shift_labels if isinstance(self.shift_labels, bool) else None,
+                call=(lambda model, batch: loss_fn(model, batch)) if loss_fn is not None else None)
+        except LabelConventionError as exc:
+            verdict = str(exc)
+        verdicts = gather_objects(verdict)
+        agreed = next((v for v in verdicts if isinstance(v, LabelConventions)), None)
+        if agreed is None:
+            raise LabelConventionError(str(verdicts[0]))
+        self.conventions = agreed
         self.shift_labels = self.conventions.shifts_labels
         self.passes_num_items = loss_fn is None and self.conventions.honours_num_items
 
@@ -175,9 +192,11 @@ class GradientAccumulation(Strategy):
         splitter = getattr(micro_batch_size, "split", None)
         micro_batches = (splitter(batch, host=host) if splitter is not None  # planned on the host, rows gathered
                          else split_micro_batches(batch, micro_batch_size, self.layout, host=host))
-        self._resolve_conventions(micro_batches[0])
+        self._resolve_conventions(micro_batches)
         counted = host_micro_batches(batch, micro_batch_size, self.layout, host, keys=(self.label_key, "shift_labels"))
         token_counts = [self._count_tokens(mb) for mb in counted or micro_batches]  # the same split, on the host
+        if not self.warned_padded_labels:
+            self._warn_labels_on_padding(counted or micro_batches)
         countable = all(n is not None for n in token_counts)
         weighting = self.resolved_weighting = self._resolve_weighting(countable)
         items = token_counts if weighting == "tokens" else [batch_size_of(mb) for mb in micro_batches]
@@ -196,6 +215,34 @@ class GradientAccumulation(Strategy):
         # With a loss_fn that reports its own counts, those are the truth: correct after backward if they differ.
         exact = known and self.loss_fn is None
         return AccumulationPlan(micro_batches, weighting, items, max(divisor, 1.0), exact, padding)
+
+    def _warn_labels_on_padding(self, micro_batches: list[Any]) -> None:
+        """Loss tokens where the attention mask says padding (``labels = input_ids.clone()``): said once. Their number,
+        hence the loss, then depends on how the batch is split, since each micro-batch is padded to its own longest
+        sample. Reads host tensors only."""
+        labelled = predicted = 0
+        for mb in micro_batches:
+            labels, mask = (mb.get(k) if isinstance(mb, Mapping) else None for k in (self.label_key, "attention_mask"))
+            if isinstance(labels, torch.Tensor) and isinstance(mask, torch.Tensor) and labels.shape == mask.shape \
+                    and labels.device.type == "cpu" and mask.device.type == "cpu":
+                target = labels != self.ignore_index
+                labelled += int(((mask == 0) & target).sum())
+                if self.shift_labels is True and labels.dim() == 2:  # the target at t is predicted at t - 1
+                    predicted += int(((mask[:, :-1] == 0) & (mask[:, 1:] != 0) & target[:, 1:]).sum())
+        if predicted and not labelled:
+            self.warned_padded_labels = True
+            log.warning("%d loss token(s) are predicted from padding: with left padding, the first real token of a "
+                        "row is a target its pad predecessor predicts, so the loss depends on how much padding the "
+                        "row got (and on the micro-batch split). Set %s to %d at each row's first real token (real "
+                        "templates start with a BOS or system token, never a target)",
+                        predicted, self.label_key, self.ignore_index)
+        if labelled:
+            self.warned_padded_labels = True
+            log.warning("%d loss token(s) sit on padding (attention_mask 0, %s not %d): the model trains on padding, "
+                        "and the loss depends on the micro-batch split (a micro-batch collated from its samples is "
+                        "padded to its own longest one). Set %s to %d wherever attention_mask is 0 in your dataset "
+                        "or collate_fn",
+                        labelled, self.label_key, self.ignore_index, self.label_key, self.ignore_index)
 
     def _count_tokens(self, micro_batch: Any) -> int | None:
         return count_loss_tokens(micro_batch, self.label_key, self.ignore_index, bool(self.shift_labels))

@@ -544,6 +544,19 @@ def _source(model: nn.Module) -> _Source:
     raise _refuse(model, "is neither a Hugging Face model nor has hidden_states_for_loss(**batch)")
 
 
+def loss_owner(model: nn.Module) -> nn.Module:
+    """The module whose forward computes the loss: ``model`` itself, or, through wrappers that expose the model they
+    wrap (PEFT's ``get_base_model()``: a LoRA model's forward calls the wrapped model's forward with the labels), the
+    first wrapped model that is a Hugging Face model or has ``hidden_states_for_loss``. Usage: ``loss_owner(peft)``"""
+    seen = model
+    while not (hasattr(seen, "hidden_states_for_loss") or _is_hf(seen)):
+        inner = seen.get_base_model() if callable(getattr(seen, "get_base_model", None)) else None
+        if not isinstance(inner, nn.Module) or inner is seen:
+            return model  # refused by _source, naming the model the user passed
+        seen = inner
+    return seen
+
+
 _DROPPED = ("labels", "num_items_in_batch", "shift_labels", "logits_to_keep", "return_dict")
 
 
@@ -691,6 +704,7 @@ def apply_linear_cross_entropy(
     re-configures). Without labels the original forward runs (generation, logits). ``num_items_in_batch`` is
     honoured as the model's own loss honours it.
     """
+    model = loss_owner(model)  # a PEFT model: its wrapped model, whose forward its own forward calls
     source = _source(model)
     previous: ChunkedLossModel | None = getattr(model, "_vlmfast_lce", None)
     original = previous.original if previous is not None else model.forward

@@ -36,6 +36,15 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from vlmfast.data.batch_layout import (
+    IMAGE_KEYS,
+    VIDEO_KEYS,
+    BatchLayout,
+    BatchSplitError,
+    items_per_sample,
+    take_samples,
+)
+from vlmfast.data.micro_batches import SampleBatch
 from vlmfast.engines.collectives import agree_max
 from vlmfast.memory.oom_errors import FAILED, OK, OOM, OutOfMemoryAtMinimumError, free_memory, is_oom_error
 from vlmfast.strategies.base import Step, Strategy
@@ -68,7 +77,7 @@ COUNT_SUFFIX = "_per_row"  # packing's images_per_row / <key>_per_row: how many 
 # costs and the plan
 
 
-def sample_lengths(batch: Mapping[str, Any], prepended_tokens: int = 0) -> list[int]:
+def sample_lengths(batch: Mapping[str, Any], prepended_tokens: int = 0, images: Tensor | None = None) -> list[int]:
     """Language-model tokens of each row of a collated batch: real tokens (``attention_mask``; a packed or unmasked
     row: its width), plus ``prepended_tokens`` per image for models that put image tokens before the text
     themselves (the tiny VLM's padded rows).
@@ -85,30 +94,28 @@ def sample_lengths(batch: Mapping[str, Any], prepended_tokens: int = 0) -> list[
     else:
         lengths = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
     if prepended_tokens:
-        lengths = lengths + prepended_tokens * images_per_row(batch)
+        lengths = lengths + prepended_tokens * (images if images is not None else images_per_row(batch))
     return [int(n) for n in lengths.tolist()]
 
 
-def images_per_row(batch: Mapping[str, Any]) -> Tensor:
-    """Images of each row: ``images_per_row``, else one per row when ``pixel_values`` has a row each, else none."""
-    rows = batch["input_ids"].shape[0]
-    counts = batch.get("images_per_row")
-    if isinstance(counts, Tensor):
-        return counts.long().cpu()
-    pixels = batch.get("pixel_values")
-    if isinstance(pixels, Tensor) and pixels.shape[0] == rows:
-        return torch.ones(rows, dtype=torch.long)
-    return torch.zeros(rows, dtype=torch.long)
+def images_per_row(batch: Mapping[str, Any], layout: BatchLayout | None = None) -> Tensor:
+    """Images of each row, by the rules that split the batch (:func:`vlmfast.data.batch_layout.items_per_sample`:
+    ``images_per_row``, image tokens in ``input_ids``, grids, pixel masks); none for a batch without image keys.
+    Raises :class:`BatchSplitError` naming the key when no rule proves it (never a first-dimension guess)."""
+    counts = items_per_sample(batch, layout)
+    return torch.tensor(counts if counts is not None else [0] * batch["input_ids"].shape[0], dtype=torch.long)
 
 
-def sample_costs(batch: Mapping[str, Any], image_tokens: int = 0, prepended_tokens: int = 0) -> list[int]:
+def sample_costs(batch: Mapping[str, Any], image_tokens: int = 0, prepended_tokens: int = 0,
+                 layout: BatchLayout | None = None) -> list[int]:
     """What each row costs alone: its language-model tokens plus ``image_tokens`` per image (the vision tower's
     tokens, :func:`image_token_cost`).
 
     Usage: ``sample_costs(batch, image_tokens=9)`` -> ``[75, 12, ...]``
     """
-    lengths = sample_lengths(batch, prepended_tokens)
-    images = images_per_row(batch).tolist()
+    images = images_per_row(batch, layout)
+    lengths = sample_lengths(batch, prepended_tokens, images)
+    images = images.tolist()
     return [n + image_tokens * k for n, k in zip(lengths, images, strict=True)]
 
 
@@ -152,11 +159,11 @@ def micro_batch_cost(lengths: Sequence[int], images: Sequence[int], group: Seque
 
 @dataclass(frozen=True)
 class Pick:
-    """One micro-batch of a token-budget split, planned on the host: its rows, the columns they use and, per
-    per-row image key ([rows, images, ...]), the image slots kept (the rows' most, at least 1). Planning reads the
-    batch's lengths and image counts; :func:`take` applies a pick to any copy of the batch without reading it.
+    """One micro-batch of a token-budget split, planned on the host: its rows (samples), the columns they use and,
+    per per-row image key ([rows, images, ...] with a ``<key>_per_row`` / ``images_per_row`` count), the image slots
+    kept (the rows' most, at least 1). :func:`take` applies a pick to any copy of the batch without reading it.
 
-    Usage: ``picks = TokenBudget(4096).plan(host_batch); micro = take(device_batch, picks[0])``
+    Usage: ``picks = TokenBudget(4096).plan(host_batch); micro = take(device_batch, picks[0], host=host_batch)``
     """
 
     rows: tuple[int, ...]
@@ -174,62 +181,51 @@ def _pick(batch: Mapping[str, Any], rows: list[int]) -> Pick:
     return Pick(tuple(rows), _columns(batch, rows), slots)
 
 
-def take(batch: Mapping[str, Any], pick: Pick, keys: Sequence[str] | None = None) -> dict[str, Any]:
-    """``pick``'s rows of every per-row entry of ``batch`` (only ``keys`` when given), token keys cut to its
-    columns, per-row image slots to its count. No value of ``batch`` is read, so a pick planned on the host copy
-    gathers from the device copy without waiting for the device (device prefetch).
+def take(batch: Mapping[str, Any], pick: Pick, keys: Sequence[str] | None = None, layout: BatchLayout | None = None,
+         host: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``pick``'s samples of a collated ``batch`` (only ``keys`` when given), by the key-aware rules that split
+    batches by samples (:func:`vlmfast.data.batch_layout.take_samples`: each sample's images found from its image
+    tokens, grids or pixel masks, refused naming the key where no rule proves it); then per-token keys cut to the
+    pick's columns and per-row image slots to its count. The rules read ``host`` (the batch's host copy), so a device
+    batch is gathered without waiting for the device.
 
-    Usage: ``micro_batches = [take(device_batch, p) for p in budget.plan(host_batch)]``
+    Usage: ``micro_batches = [take(device_batch, p, layout=layout, host=host_batch) for p in budget.plan(host_batch)]``
     """
-    b, t = batch["input_ids"].shape
-    indices: dict[torch.device, Tensor] = {}  # the rows' index on each device the batch's tensors are on
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if keys is not None and key not in keys:
-            continue
-        if isinstance(value, Tensor):
-            index = indices.get(value.device)
-            if index is None:
-                index = indices[value.device] = _index(pick.rows, value.device)
-            out[key] = _take_tensor(key, value, index, pick, (b, t))
-        elif isinstance(value, (list, tuple)) and len(value) == b:
-            out[key] = type(value)(value[i] for i in pick.rows)  # per-sample list (captions, ids)
-        elif isinstance(value, (int, float, str, bool)) or value is None:
-            out[key] = value
-        else:
-            raise ValueError(f"micro_batch_tokens cannot split batch key '{key}' ({type(value).__name__}): per-row "
-                             f"tensors [rows, ...] and per-sample lists of {b} are split; drop it in collate_fn")
-    return out
+    if keys is not None:
+        batch = {k: v for k, v in batch.items() if k in keys}
+        host = {k: v for k, v in host.items() if k in keys} if host is not None else None
+    tokens = _token_shape(host if host is not None else batch)
+    (micro,) = take_samples(batch, [pick.rows], layout, host=host)
+    return {key: _trim(key, value, pick, tokens) for key, value in micro.items()}
 
 
-def _index(rows: Sequence[int], device: torch.device) -> Tensor:
-    """The rows as an index tensor on ``device``, sent without waiting for the device: a blocking copy from
-    pageable memory ends in a stream synchronize, a non-blocking one from pinned memory is only queued and the
-    pinned block is kept until it ran (torch aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda: memcpy_and_sync
-    vs cudaMemcpyAsync + CachingHostAllocator_recordEvent)."""
-    index = torch.tensor(rows, dtype=torch.long)
-    if device.type == "cuda":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index if device.type == "cpu" else index.to(device)  # a host batch's gather stays a host value
+def _token_shape(batch: Mapping[str, Any]) -> tuple[int, int] | None:
+    for key in ("input_ids", "attention_mask", "labels"):
+        value = batch.get(key)
+        if isinstance(value, Tensor) and value.dim() == 2:
+            return tuple(value.shape)  # type: ignore[return-value]
+    return None
 
 
-def _take_tensor(key: str, value: Tensor, index: Tensor, pick: Pick, shape: tuple[int, int]) -> Tensor:
-    b, t = shape
-    if value.dim() == 0:
+def _is_image_key(key: str) -> bool:
+    return key in IMAGE_KEYS or key in VIDEO_KEYS or any(part in key for part in ("pixel", "image", "video"))
+
+
+def _trim(key: str, value: Any, pick: Pick, tokens: tuple[int, int] | None) -> Any:
+    """Per-token keys (ids, masks, labels, positions: ``[rows, T, ...]``, mRoPE ``[C, rows, T]``) cut to the pick's
+    columns; per-row image slots to its count. Image keys are never cut by shape."""
+    if not isinstance(value, Tensor) or value.dim() < 2:
         return value
-    if key == "position_ids" and value.dim() == 3 and value.shape[1:] == (b, t):  # mRoPE [C, B, T]
-        return value.index_select(1, index)[:, :, pick.columns]
-    if value.shape[0] != b:
-        raise ValueError(
-            f"micro_batch_tokens cannot split batch key '{key}' of shape {tuple(value.shape)}: its first dimension is "
-            f"not the batch's {b} rows (e.g. images flattened across samples). Lay it out per row ([rows, images, "
-            f"...] with images_per_row, as packing's per_row layout does) or use micro_batch_size")
-    rows = value.index_select(0, index)
-    if value.dim() >= 2 and value.shape[1] == t and (key in TOKEN_KEYS or value.shape[:2] == (b, t)):
-        return rows[:, pick.columns]
-    if key in pick.slots and value.dim() >= 3:  # per-row images [B, K, ...]
-        return rows[:, : pick.slots[key]]
-    return rows
+    if key in pick.slots and value.dim() >= 3:
+        return value[:, : pick.slots[key]]
+    if tokens is None or _is_image_key(key):
+        return value
+    rows, width = len(pick.rows), tokens[1]
+    if key == "position_ids" and value.dim() == 3 and value.shape[1:] == (rows, width):
+        return value[:, :, pick.columns]
+    if value.shape[:2] == (rows, width):  # [rows, T, ...]: per token (a non-image key)
+        return value[:, pick.columns]
+    return value
 
 
 def _columns(batch: Mapping[str, Any], rows: list[int]) -> slice:
@@ -271,24 +267,41 @@ class TokenBudget:
     max_rows: int | None = None  # micro_batch_size as a cap on rows, if set
     image_tokens: int = 0  # vision-tower tokens charged per image: see image_token_cost
     prepended_tokens: int = 0  # language-model tokens per image the model adds before the text (not in input_ids)
+    layout: BatchLayout | None = None  # the model's image / video token ids: how a collated batch's images map
     last: dict[str, Any] = field(default_factory=dict)  # the last split: micro_batches, max tokens, rows
     picks: list[Pick] = field(default_factory=list, repr=False)  # the last split's plan: see host_micro_batches
+    _host: Any = field(default=None, repr=False)  # the last split's host batch (or SampleBatch)
+    _warned: bool = field(default=False, repr=False)  # images not charged: said once
 
-    def split(self, batch: Any, host: Any = None) -> list[dict[str, Any]]:
-        """Micro-batches of ``batch`` (a dict of tensors), each costing at most ``tokens`` unless a row alone does.
+    def split(self, batch: Any, host: Any = None) -> list[Any]:
+        """Micro-batches of ``batch``, each costing at most ``tokens`` unless a sample alone does.
+
+        - A :class:`SampleBatch` (vlmfast's loader): planned on its batch collated whole, then each micro-batch is
+          collated from its own samples by the user's ``collate_fn``: exact for any image layout.
+        - A collated dict (the user's own DataLoader): cut by the key-aware rules (:func:`take`).
+
         ``host``: the host batch ``batch`` was copied from (device prefetch): the split is planned there (lengths,
         image counts, columns) and only the rows are gathered from ``batch``, so no device value is read."""
-        self.picks = self.plan(host if host is not None else batch)
-        return [take(batch, pick) for pick in self.picks]
+        if isinstance(batch, SampleBatch):
+            whole = batch.host_micro_batches[0]
+            self.picks, self._host = self.plan(whole, lenient=True), batch
+            return batch.collate_groups([list(pick.rows) for pick in self.picks])
+        self._host = host if host is not None else batch
+        self.picks = self.plan(self._host)
+        return [take(batch, pick, layout=self.layout, host=self._host) for pick in self.picks]
 
-    def plan(self, batch: Any) -> list[Pick]:
+    def plan(self, batch: Any, lenient: bool = False) -> list[Pick]:
         """The micro-batches of ``batch`` as :class:`Pick` s, longest first (reads its lengths and image counts:
-        give it the host copy). Records the split's figures in ``last``. Usage: ``budget.plan(host_batch)``"""
+        give it the host copy). Records the split's figures in ``last``. Usage: ``budget.plan(host_batch)``
+
+        ``lenient``: where no rule proves each sample's image count, images are not charged (said once) instead of
+        refused: for a batch whose micro-batches are collated from their samples, the split stays exact."""
         if not isinstance(batch, Mapping):
             raise ValueError(f"micro_batch_tokens splits dict batches (a collate_fn returning a dict of tensors); "
                              f"got a {type(batch).__name__}: use micro_batch_size")
-        lengths = sample_lengths(batch, self.prepended_tokens)
-        images = images_per_row(batch).tolist()
+        images_tensor = self._images(batch, lenient)
+        lengths = sample_lengths(batch, self.prepended_tokens, images_tensor)
+        images = images_tensor.tolist()
         groups = plan_token_micro_batches(lengths, self.tokens, self.max_rows, images=images,
                                           image_tokens=self.image_tokens)
         costs = [micro_batch_cost(lengths, images, group, self.image_tokens) for group in groups]
@@ -297,18 +310,36 @@ class TokenBudget:
                      "over_budget": sum(len(g) == 1 and c > self.tokens for g, c in zip(groups, costs, strict=True))}
         return [_pick(batch, group) for group in groups]
 
-    def host_micro_batches(self, host: Mapping[str, Any], keys: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """The last split's micro-batches taken from ``host`` (only ``keys``), in the same order: what to count
-        loss tokens on without reading the device copy. Usage: ``budget.host_micro_batches(host, ["labels"])``"""
-        return [take(host, pick, keys) for pick in self.picks]
+    def _images(self, batch: Mapping[str, Any], lenient: bool) -> Tensor:
+        try:
+            return images_per_row(batch, self.layout)
+        except BatchSplitError as exc:
+            if not lenient:
+                raise
+            if not self._warned:
+                log.warning("micro_batch_tokens: images not charged to the budget (%s); micro-batches are still "
+                            "collated from their own samples, so the split is exact", str(exc).split(";")[0])
+            self._warned = True
+            return torch.zeros(batch["input_ids"].shape[0], dtype=torch.long)
+
+    def host_micro_batches(self, host: Any, keys: Sequence[str] | None = None) -> list[Any]:
+        """The last split's micro-batches on the host (only ``keys``), in the same order: what to count loss tokens
+        on without reading the device copy. Usage: ``budget.host_micro_batches(host, ["labels"])``"""
+        if isinstance(self._host, SampleBatch):
+            return self._host.group_host_micro_batches
+        return [take(host, pick, keys, layout=self.layout) for pick in self.picks]
+
+    def resized(self, tokens: int) -> TokenBudget:
+        """The same budget at ``tokens`` (rows cap, image charges and layout kept)."""
+        return TokenBudget(tokens, self.max_rows, self.image_tokens, self.prepended_tokens, self.layout)
 
     def halved(self) -> TokenBudget:
         """Half the budget (the OOM fallback's retry size); rows capped as before."""
-        return TokenBudget(max(self.tokens // 2, 1), self.max_rows, self.image_tokens, self.prepended_tokens)
+        return self.resized(max(self.tokens // 2, 1))
 
     def grown(self, limit: int) -> TokenBudget:
         """Twice the budget, at most ``limit`` (growing back after clean steps)."""
-        return TokenBudget(min(self.tokens * 2, limit), self.max_rows, self.image_tokens, self.prepended_tokens)
+        return self.resized(min(self.tokens * 2, limit))
 
     @property
     def at_minimum(self) -> bool:
@@ -336,10 +367,10 @@ class TokenBudgetSizer(Strategy):
     name = "micro_batch_tokens"
 
     def __init__(self, tokens: int, *, max_rows: int | None = None, image_tokens: int = 0, prepended_tokens: int = 0,
-                 oom: Any = None, describe_memory: Callable[[], str] | None = None,
+                 layout: BatchLayout | None = None, oom: Any = None, describe_memory: Callable[[], str] | None = None,
                  on_oom: Callable[[], None] | None = None) -> None:
         self.configured = tokens
-        self.budget = TokenBudget(tokens, max_rows, image_tokens, prepended_tokens)
+        self.budget = TokenBudget(tokens, max_rows, image_tokens, prepended_tokens, layout)
         self.oom = oom if oom is not None and oom.enabled else None
         self.grow_after = oom.grow_after_steps if self.oom is not None else None
         self.clean_steps = 0
@@ -413,8 +444,7 @@ class TokenBudgetSizer(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state and state.get("configured") == self.configured:  # a deliberately changed spec wins
-            b = self.budget
-            self.budget = TokenBudget(state["tokens"], b.max_rows, b.image_tokens, b.prepended_tokens)
+            self.budget = self.budget.resized(state["tokens"])
             self.clean_steps = state["clean_steps"]
 
     def describe(self) -> str:

@@ -27,7 +27,7 @@ def save_run(engine: Engine, state_dict: Callable[[], dict[str, Any]], directory
              keep_last: int | None, meta: dict[str, Any] | None = None,
              write: Callable[..., Path] = save_checkpoint) -> Path:
     """Write a checkpoint (all ranks call it; rank 0 writes the file) and return its path. `write` is
-    `save_checkpoint`, or an `AsyncCheckpointer.save` (save.async: only the copy to host memory happens here)."""
+    `save_checkpoint`, or an `AsyncCheckpointer.save` (with save.async, only the copy to host memory happens here)."""
     directory = Path(directory)
     rank0 = _rank() == 0
     path, staged = directory / f"step_{step:08d}", None
