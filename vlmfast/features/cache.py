@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from vlmfast.features.keys import KEYS_FIELD, FlatKeys, hash_bytes, tensor_key
 from vlmfast.features.store import FeatureStore
-from vlmfast.features.units import CallImages, Unit, model_results, resolve_unit, tensors_close
+from vlmfast.features.units import CallImages, Unit, model_results, output_tensors, resolve_unit, tensors_close
 
 __all__ = ["CacheStats", "FeatureCache"]
 
@@ -116,6 +116,7 @@ class FeatureCache:
         self._probed = False
         self._trial: Any = None  # while learning the layout: "real" or the candidate adapter being tried
         self._trial_error: str | None = None
+        self._trainable_inside = False  # the real call's output required a gradient (learn_layout)
         self._runs = 0
         self._timed_runs = 0
         self._events: list[tuple[Any, Any, int]] = []  # CUDA (start, end, images) not yet read
@@ -154,8 +155,14 @@ class FeatureCache:
         model.eval()
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                self._trial = "real"
+                self._trial, self._trainable_inside = "real", False
                 reference = model_results(model.forward(*args, **kwargs))
+                if self._trainable_inside:
+                    adapter.failed = (f"{self.unit.name} uses trainable parameters besides the frozen "
+                                      f"{', '.join(self.unit.modules)} (its output requires a gradient): freeze them "
+                                      "too, or set vision_cache.enabled: false")
+                    self._refuse(adapter.failed)
+                    return
                 for candidate in adapter.candidates:
                     self._trial, self._trial_error = candidate, None
                     try:
@@ -178,10 +185,15 @@ class FeatureCache:
 
     def _trial_call(self, arguments: dict[str, Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         candidate = self._trial
-        images = None if candidate == "real" or arguments is None else candidate.split(arguments)
+        if candidate == "real":  # with gradients on: features of frozen weights alone must not require one
+            with torch.enable_grad():
+                output = self._original(*args, **kwargs)
+            if any(t.requires_grad for t in output_tensors(output)):
+                self._trainable_inside = True
+            return output
+        images = None if arguments is None else candidate.split(arguments)
         if images is None:
-            if candidate != "real":
-                self._trial_error = "cannot cut the call into images"
+            self._trial_error = "cannot cut the call into images"
             return self._original(*args, **kwargs)
         other = [name for name, value in arguments.items() if isinstance(value, Tensor) and name not in images.args]
         if other:  # what _namespace refuses: features that depend on a per-call tensor have no safe key
