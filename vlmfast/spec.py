@@ -253,6 +253,14 @@ class FSDPSpec(Section):
                               "(default: the repeated blocks activation checkpointing finds)")
 
 
+class RankBalanceCost(Section):
+    """A sample's estimated cost: tokens x per_token + tokens^2 x per_token_pair + images x per_image."""
+
+    per_token: float = Field(1.0, ge=0, description="cost of a text token")
+    per_token_pair: float = Field(0.0, ge=0, description="cost per squared token (attention)")
+    per_image: float = Field(0.0, ge=0, description="cost of an image (the vision tower)")
+
+
 class DataSpec(Section):
     """DataLoader settings for the per-rank optimizer batch."""
 
@@ -306,6 +314,18 @@ class DataSpec(Section):
         "none", description="batches of similar length, longest first (modality_length: image and text-only "
         "samples apart, LLaVA); needs dataset.lengths / modality_lengths, see docs/grouping.md"
     )
+    rank_balance: Literal["off", "tokens", "cost"] = Field(
+        "off", description="deal each global batch to ranks so the most loaded rank's estimated cost is lowest "
+        "(tokens: text tokens; cost: tokens, their square and images, from FLOP counts or rank_balance_cost); needs "
+        "dataset.lengths, see docs/distributed.md")
+    rank_balance_cost: RankBalanceCost | None = Field(
+        None, description="rank_balance: cost coefficients to use instead of the model's FLOP counts")
+
+    @model_validator(mode="after")
+    def _balance_without_grouping(self) -> DataSpec:
+        if self.rank_balance != "off" and self.group_by_length != "none":
+            raise ValueError("data.rank_balance with data.group_by_length is not supported yet: choose one")
+        return self
 
 
 class SaveSpec(Section):

@@ -39,6 +39,7 @@ from vlmfast.data.autotune import AutotuneResult, autotune_num_workers
 from vlmfast.data.bad_samples import BadSampleCounts, CheckedCollate, IndexedDataset
 from vlmfast.data.fingerprint import data_fingerprint
 from vlmfast.data.micro_batches import SampleBatch, SampleCollate
+from vlmfast.data.rank_balance import CostModel, RankBalancedBatchSampler, sample_metadata
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.data.samplers import LengthGroupedSampler, check_groupable, dataset_lengths
 from vlmfast.data.timeout import DataLoaderTimeoutError, LoaderThread, timeout_message, wait_for
@@ -102,6 +103,7 @@ class ResumableLoader:
         world_size: int = 1,
         sample_check: SampleCheck | None = None,
         micro_batch_size: int | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         """`sample_check`: the host-side checks of every batch (data.check_samples; default: without the model's
         vocabulary, so ids are not range-checked: the trainer passes ``SampleCheck.for_model``)."""
@@ -113,7 +115,7 @@ class ResumableLoader:
         self.batch_in_epoch = 0
         self._skip = 0
         self._iterator: Iterator[Any] | None = None
-        self.sampler: EpochSampler | LengthGroupedSampler | None = None
+        self.sampler: EpochSampler | LengthGroupedSampler | RankBalancedBatchSampler | None = None
         self.autotune: AutotuneResult | None = None  # with num_workers auto: the measured choice and why
         self.bad_samples = BadSampleCounts()  # samples read / bad ones skipped (a user DataLoader's: not seen)
         self.data, self.world_size, self.timeout_s = data, world_size, spec.timeout_s
@@ -157,7 +159,12 @@ class ResumableLoader:
             if num_samples // world_size < batch_size:
                 raise ValueError(f"the dataset has {num_samples} samples, fewer than batch_size {batch_size} per "
                                  f"rank ({world_size} rank(s)): lower batch_size or add data")
-            if spec.group_by_length != "none":  # batches of similar length, the longest first
+            if spec.rank_balance != "off" and world_size > 1:  # each global batch dealt by the samples' costs
+                tokens, images = sample_metadata(data)
+                model = cost_model if spec.rank_balance == "cost" and cost_model is not None else CostModel()
+                self.sampler = sampler = RankBalancedBatchSampler(model.costs(tokens, images), batch_size, seed,
+                                                                  spec.shuffle, rank, world_size)
+            elif spec.group_by_length != "none":  # batches of similar length, the longest first
                 self.sampler = sampler = LengthGroupedSampler(
                     dataset_lengths(data, spec.group_by_length), batch_size, seed, spec.shuffle, rank, world_size,
                     mode=spec.group_by_length)
@@ -166,9 +173,11 @@ class ResumableLoader:
             generator = torch.Generator().manual_seed(seed)  # deterministic worker seeds
 
         def build(num_workers: int, persistent: bool = spec.persistent_workers) -> DataLoader:
+            kwargs = _loader_kwargs(spec, pin_memory, num_workers, persistent)
+            if isinstance(sampler, RankBalancedBatchSampler):  # shares of varying size: a batch sampler
+                return DataLoader(source, batch_sampler=sampler, collate_fn=checked, generator=generator, **kwargs)
             return DataLoader(source, batch_size=batch_size, sampler=sampler, collate_fn=checked,
-                              drop_last=spec.drop_last, generator=generator,
-                              **_loader_kwargs(spec, pin_memory, num_workers, persistent))
+                              drop_last=spec.drop_last, generator=generator, **kwargs)
 
         num_workers = spec.num_workers
         if num_workers == "auto":
@@ -265,7 +274,9 @@ class ResumableLoader:
         """The batch being loaded: its sample indices (from the sampler), its place in the epoch, and the DataLoader
         worker it was sent to. Usage: in the DataLoaderTimeoutError's message."""
         where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
-        if self.sampler is not None:
+        if isinstance(self.sampler, RankBalancedBatchSampler):
+            where = f"the samples at indices {self.sampler.share(self.batch_in_epoch)} ({where})"
+        elif self.sampler is not None:
             start = self.batch_in_epoch * self.batch_size
             where = f"the samples at indices {self.sampler._indices()[start:start + self.batch_size]} ({where})"
         task = getattr(self._iterator, "_task_info", {}).get(getattr(self._iterator, "_rcvd_idx", None))
@@ -299,7 +310,8 @@ class ResumableLoader:
         loader = self.loader
         batch_size = loader.batch_size or self.batch_size
         per_rank = length // self.world_size if self.sampler is not None else length
-        return per_rank // batch_size if loader.drop_last else -(-per_rank // batch_size)
+        drop_last = loader.drop_last or isinstance(self.sampler, RankBalancedBatchSampler)
+        return per_rank // batch_size if drop_last else -(-per_rank // batch_size)
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
         """Collate the batches still to come at this size (a SampleBatch asks when it is split at another)."""

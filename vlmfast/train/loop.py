@@ -32,6 +32,7 @@ from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
 from vlmfast.data.packing_check import check_packing, probe_samples
 from vlmfast.data.prefetch import device_batches, host_batch
+from vlmfast.data.rank_balance import CostModel
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.data.timeout import DataLoaderTimeoutError
 from vlmfast.engines import build_engine
@@ -130,8 +131,27 @@ class OptimizedTrainer:
                             # budget's batch collated whole to plan on, its micro-batches then from their samples
                             micro_batch_size=None if spec.packing.enabled
                             else spec.batch_size if spec.micro_batch_tokens else spec.resolved_micro_batch_size,
-                            sample_check=sample_check),
+                            sample_check=sample_check, cost_model=self._cost_model(model)),
             spec.data, self.device)
+
+    def _cost_model(self, model: nn.Module) -> CostModel | None:
+        """data.rank_balance: cost: the spec's coefficients, else the model's FLOP counts (the same on every run)."""
+        data = self.spec.data
+        if data.rank_balance != "cost":
+            return None
+        if data.rank_balance_cost is not None:
+            return CostModel(**data.rank_balance_cost.model_dump())
+        return CostModel.from_model(model)
+
+    def _balance_metrics(self) -> dict[str, float]:
+        """The imbalance (max / mean - 1 of the per-rank estimated cost) of the batch just trained, dealt and as the
+        positional deal would have been (data.rank_balance)."""
+        sampler = getattr(getattr(self.loader, "source", self.loader), "sampler", None)
+        deals = getattr(sampler, "deals", None)
+        if not deals:
+            return {}
+        dealt = deals.get(self.loader.state_dict()["batch_in_epoch"] - 1)
+        return {} if dealt is None else {"balance/imbalance": dealt[0], "balance/imbalance_positional": dealt[1]}
 
     def _probe_batches(self, count: int = 16) -> Iterator[Any]:
         """The first training samples, each collated alone by the user's collate_fn, on the device (for strategies
@@ -224,6 +244,7 @@ class OptimizedTrainer:
                     batch = self._next_batch()
                 data_time = time.perf_counter() - waited  # blocked on the loader only, not the loop's bookkeeping
                 metrics = self._train_batch(batch)
+                metrics.update(self._balance_metrics())
                 metrics.update(self.timer.end_step())
                 now = time.perf_counter()
                 metrics.update(self._throughput(metrics, step_time=now - tick, data_time=data_time))
