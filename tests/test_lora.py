@@ -217,3 +217,26 @@ def test_any_other_module_exports_its_state_dict_as_safetensors(tmp_path):
     trainer.fit()
     saved = load_file(str(trainer.export(tmp_path / "plain") / "model.safetensors"))
     assert all(torch.equal(saved[n], p) for n, p in trainer.engine.module.state_dict().items())
+
+
+# ---- DDP: 2 gloo ranks equal one process, no find_unused_parameters ------------------------------------------------
+def _lora_tiny(batch_size: int) -> dict[str, torch.Tensor]:
+    from conftest import TinyCausalLM, TokenDataset
+
+    torch.manual_seed(0)
+    trainer_spec = spec(max_steps=3, batch_size=batch_size, micro_batch_size=2, lora={"r": 4})
+    trainer = OptimizedTrainer(TinyCausalLM().double(), TokenDataset(32), trainer_spec)
+    trainer.fit()
+    assert type(trainer.model).__name__ == ("DistributedDataParallel" if batch_size == 4 else "PeftModel")
+    return {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters() if p.requires_grad}
+
+
+def test_two_ddp_ranks_train_the_adapters_as_one_process_with_the_global_batch(tmp_path):
+    from conftest import spawn_two_ranks
+
+    ranks = spawn_two_ranks(_lora_tiny, tmp_path, "lora_ddp", 4)
+    reference = _lora_tiny(8)
+    for rank in ranks:
+        assert sorted(rank) == sorted(reference) and any("lora_B" in n for n in rank)
+        diff = torch.cat([(rank[n] - p).flatten() for n, p in reference.items()]).norm()
+        assert diff <= 1e-6 * torch.cat([p.flatten() for p in reference.values()]).norm()
