@@ -119,3 +119,25 @@ def test_two_ranks_with_cost_balance_train_as_one_process_with_the_global_batch(
     assert all(d <= p + 1e-9 for d, p in zip(dealt, positional, strict=True)) and sum(dealt) < sum(positional)
     assert [h["balance/imbalance"] for h in ranks[1]["cost"]["history"]] == dealt  # every rank dealt alike
     assert "balance/imbalance" not in ranks[0]["off"]["history"][0]
+    for rank in ranks:  # per-rank compute up to the last gradient, and the spread the ranks agreed on
+        assert all(h["balance/compute_s"] > 0 for h in rank["cost"]["history"])
+    spread = [[h["balance/straggler_s"] for h in rank["cost"]["history"]] for rank in ranks]
+    assert spread[0] == spread[1] and all(s >= 0 for s in spread[0])
+    assert "balance/compute_s" not in ranks[0]["off"]["history"][0]  # log.straggler off, no balance: not measured
+
+
+def test_the_compute_clock_stops_at_the_last_gradient_not_at_what_waits_after_it():
+    """What DDP's final all-reduce wait would add after backward (here a 0.3 s sleep) is not a rank's compute."""
+    import time
+
+    from vlmfast.train.straggler import ComputeClock
+
+    model = TinyCausalLM()
+    clock = ComputeClock(model, torch.device("cpu"))
+    batch = {"input_ids": torch.randint(1, 50, (2, 8)), "labels": torch.randint(1, 50, (2, 8))}
+    clock.start()
+    model(**batch)["loss"].backward()
+    done = time.perf_counter()
+    time.sleep(0.3)
+    assert clock.seconds() <= done - clock._start + 1e-6  # up to the last gradient, not the sleep after it
+    clock.remove()

@@ -50,7 +50,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a spec field, dotted for sections, e.g. --set optimizer.lr=3e-4")
     parser.add_argument("--task", default=DEFAULT_TASK,
                         help="module:function returning (model, train_dataset, collate_fn[, loss_fn]) or a dict with "
-                        "model, train_data and optionally collate_fn, loss_fn, eval_data; default: the tiny VLM")
+                        "model, train_data and optionally collate_fn, loss_fn, eval_data, processor; default: the tiny "
+                        "VLM")
     parser.add_argument("--samples", type=int, default=4096, help="generated samples for the built-in task")
 
 
@@ -112,6 +113,7 @@ class TaskJob:
     collate_fn: Any = None
     loss_fn: Any = None
     eval_data: Any = None
+    processor: Any = None  # saved next to the model by `vlmfast export` (a processor or tokenizer)
 
     def trainer(self, spec: Any, eval_data: Any = None) -> Any:
         """The OptimizedTrainer for this job (eval_data: the task's own, else `eval_data`)."""
@@ -123,14 +125,14 @@ class TaskJob:
 
 TASK_SHAPE = ("(model, train_dataset, collate_fn), (model, train_dataset, collate_fn, loss_fn) with "
               "loss_fn(model, batch) -> loss | (loss_sum, n_items), or a dict with keys model, train_data and "
-              "optionally collate_fn, loss_fn, eval_data")
+              "optionally collate_fn, loss_fn, eval_data, processor")
 
 
 def task_job(result: Any, target: str) -> TaskJob:
     """Check what the task function returned and name what is wrong (see TASK_SHAPE)."""
     from torch import nn
 
-    keys = ("model", "train_data", "collate_fn", "loss_fn", "eval_data")
+    keys = ("model", "train_data", "collate_fn", "loss_fn", "eval_data", "processor")
     if isinstance(result, dict):
         unknown = sorted(set(result) - set(keys))
         missing = [key for key in keys[:2] if key not in result]

@@ -3,8 +3,8 @@
 - :class:`SaveDirLock`: an exclusive lock on ``save.dir/.vlmfast.lock`` holding the writer's PID and host. A second
   run on the same folder is refused naming the first; the kernel drops the lock when its process dies, so the lock
   of a killed run is taken over (and said so). Re-entrant within one process.
-- :func:`check_output_dirs`: ``save.dir`` and ``log.dir`` are folders this process can create and write, with no
-  dangling symbolic links; errors name the field.
+- :func:`check_output_dirs`: ``save.dir``, ``save.export.dir`` and ``log.dir`` are folders this process can create
+  and write, with no dangling symbolic links; errors name the field.
 - :func:`check_free_space`: room for one more checkpoint of this model (the newest checkpoint's size, else an
   estimate from the parameters and the optimizer), before the first step instead of after hours of training.
 
@@ -234,9 +234,10 @@ def temp_name(prefix: str, name: str) -> str:
 
 # ---- checks before any training ---------------------------------------------------------------------------------
 def check_output_dirs(spec: Any) -> None:
-    """``save.dir`` and ``log.dir`` are (or can be created as) folders this process can write, with no dangling link;
-    raises a SpecError naming the field. Creates nothing."""
-    for field, directory in (("save.dir", spec.save.dir), ("log.dir", spec.log.dir)):
+    """``save.dir``, ``save.export.dir`` and ``log.dir`` are (or can be created as) folders this process can write,
+    with no dangling link; raises a SpecError naming the field. Creates nothing."""
+    folders = (("save.dir", spec.save.dir), ("save.export.dir", spec.save.export.dir), ("log.dir", spec.log.dir))
+    for field, directory in folders:
         if directory is not None:
             check_output_dir(field, Path(directory))
     if spec.save.dir is not None:

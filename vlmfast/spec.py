@@ -328,6 +328,15 @@ class DataSpec(Section):
         return self
 
 
+class ExportSpec(Section):
+    """The trained model exported at the end of a completed fit() (not an interrupted one): docs/lora.md#export."""
+
+    dir: Path | None = Field(None, description="folder for the exported model (a LoRA run: PEFT's adapter folder; a "
+                             "Hugging Face model: save_pretrained; else model.safetensors); no export when unset")
+    merge: bool = Field(False, description="a LoRA run exports the merged model (adapters folded into the base: "
+                        "from_pretrained without PEFT) instead of the adapter folder")
+
+
 class SaveSpec(Section):
     """Checkpoints: atomic, the newest `keep_last` kept, exact resume."""
 
@@ -350,6 +359,7 @@ class SaveSpec(Section):
         "fsync, the manifest and the rename run in a background thread (one save in flight; the next save and the "
         "end of the run wait for it; a failed save is reported at the next step)"
     )
+    export: ExportSpec = Field(default_factory=ExportSpec, description="export the model when a fit() completes")
 
 
 class EvalSpec(Section):
@@ -368,6 +378,8 @@ class LogSpec(Section):
         10, ge=1, description="read device memory every N steps (a process-RSS read costs ~0.1 ms on CPU)"
     )
     tensorboard: bool = Field(False, description="also write TensorBoard events to dir (needs tensorboard)")
+    straggler: bool = Field(False, description="several ranks: each rank's compute time up to its last gradient "
+                            "and the spread across ranks per step (one small all-reduce; on with data.rank_balance)")
     wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases: the metrics.jsonl figures")
     mlflow: MLflowSpec = Field(default_factory=MLflowSpec, description="MLflow: the metrics.jsonl figures")
     progress: Literal["auto", "on", "off"] = Field("auto", description="progress bar; auto: only on a terminal")
@@ -712,7 +724,7 @@ def format_validation_error(exc: ValidationError) -> str:
 
 def check_environment(spec: TrainSpec) -> None:
     """Fail before any work when the machine cannot run the spec (fp16 or a CUDA device without CUDA, a save.dir,
-    log.dir or tracker store that cannot be written, a tracker's package missing)."""
+    save.export.dir, log.dir or tracker store that cannot be written, a tracker's package missing)."""
     import torch
 
     from vlmfast.save_dir import check_output_dirs

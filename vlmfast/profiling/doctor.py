@@ -57,7 +57,9 @@ class Evidence:
     top_ops: list[dict[str, Any]] = field(default_factory=list)  # from the torch.profiler window
     mfu: float | None = None
     bf16_supported: bool = True
-    tokens_per_s: float | None = None  # real input tokens per second over the timed steps
+    tokens_per_s: float | None = None  # real input tokens per second at the p50 step (tokens_per_step / step p50)
+    tokens_per_step: float | None = None  # mean real (non-padding) input tokens per timed step
+    startup_s: float | None = None  # seconds the steps (warm-up included) spent above the p50: compile, autotuning
     vision_frozen: bool | None = None  # the vision tower has no trainable parameter (None: no tower found)
     vocab_size: int | None = None  # rows of the language head: the logits are tokens x vocab
     tokens_per_micro_batch: float | None = None  # padded tokens a micro-batch holds now
@@ -74,9 +76,17 @@ class Evidence:
         facts.setdefault("peak_memory_gb", max(peaks) if peaks else None)
         mfus = [s["perf/mfu"] for s in samples if "perf/mfu" in s]
         facts.setdefault("mfu", sum(mfus) / len(mfus) if mfus else None)
+        # One definition for every figure the doctor compares: the p50 of the timed steps. Tokens/s is the real
+        # tokens of a step at that p50 (a mean over the steps would count a recompile's step the p50 leaves out).
         timed = [row for row in history if "perf/step_time" in row and not _excluded(row) and "tokens" in row]
-        seconds = sum(row["perf/step_time"] for row in timed)
-        facts.setdefault("tokens_per_s", sum(row["tokens"] for row in timed) / seconds if seconds and timed else None)
+        p50 = percentile([s["perf/step_time"] for s in samples], 0.5) if samples else 0.0
+        per_step = sum(row["tokens"] for row in timed) / len(timed) if timed else None
+        facts.setdefault("tokens_per_step", per_step)
+        facts.setdefault("tokens_per_s", per_step / p50 if per_step is not None and p50 > 0 else None)
+        # What the steps spent above the p50, warm-up steps included (traced steps are slowed by the profiler):
+        # the one-off cost of a compile or an autotuning pass, paid again at the start of every run.
+        walls = [row["step_time"] for row in history if "step_time" in row and not row.get("perf/traced")]
+        facts.setdefault("startup_s", sum(max(0.0, wall - p50) for wall in walls) if walls and samples else None)
         return cls(samples=samples, spec=spec, **facts)
 
     def share(self, phase: str) -> float:
@@ -103,6 +113,7 @@ class Finding:
     evidence: str
     change: dict[str, Any] = field(default_factory=dict)  # dotted spec overrides (empty: a code change)
     advice: str = ""
+    measured: str = ""  # doctor --apply: the change's measured gain (rank_findings)
 
     def to_text(self, rank: int | None = None) -> str:
         head = f"{rank}. " if rank is not None else ""
@@ -112,6 +123,8 @@ class Finding:
             lines.append(f"   change:   {change}   (--set {' --set '.join(_set_args(self.change))})")
         if self.advice:
             lines.append(f"   also:     {self.advice}")
+        if self.measured:
+            lines.append(f"   measured: {self.measured}")
         return "\n".join(lines)
 
 

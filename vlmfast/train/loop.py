@@ -55,6 +55,7 @@ from vlmfast.train.evaluation import evaluate_loss
 from vlmfast.train.interrupt import InterruptGuard
 from vlmfast.train.save_resume import needs_final_save, resume_run, run_checkpoint_bytes, save_run
 from vlmfast.train.state import FitResult, TrainState
+from vlmfast.train.straggler import ComputeClock, straggler_seconds
 from vlmfast.utils import resolve_device, rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class OptimizedTrainer:
         self.state = TrainState()
 
         self.engine = build_engine(spec, self.device, self.world_size)
+        if spec.save.export.dir is not None and (refusal := self._export_refusal()):
+            raise SpecError(f"save.export.dir: {refusal}")  # now, not after the whole run
         self.accumulation = GradientAccumulation(
             weighting=spec.loss.weighting, label_key=spec.loss.label_key, ignore_index=spec.loss.ignore_index,
             shift_labels=spec.loss.shift_labels, loss_fn=loss_fn)
@@ -108,6 +111,8 @@ class OptimizedTrainer:
         sample_check = self._sample_check(model)  # before the engine wraps or shards it: a plain, local probe
         self.model = self.engine.setup(model, self.optimization.build)  # last: strategies change the plain model
         self._contexts = [s for s in self.strategies if overrides(s, "forward_context")]
+        measure = self.world_size > 1 and (spec.log.straggler or spec.data.rank_balance != "off")
+        self.compute_clock = ComputeClock(self.engine.module, self.device) if measure else None
         self.state.micro_batch_size = self.micro_batching.micro_batch_size
         self.timer = RunProfiler(spec.profile, self.model, self.device, precision=spec.precision, tf32=spec.tf32,
                                  log_dir=spec.log.dir, is_main_process=self.is_main_process,
@@ -264,10 +269,15 @@ class OptimizedTrainer:
             barrier()  # nobody leaves before rank 0's checkpoint is on disk and DDP work is done
             if self.eval_data is not None and not result.interrupted:
                 result.eval_loss = self._record_eval(result)
+            if not result.interrupted:  # save.export: a completed run only
+                result.exported = self._export_at_end(metrics_logger)
             result.report = self._build_report(history, time.perf_counter() - start)
+            if result.exported is not None:
+                result.report.extra["exported"] = str(result.exported)
             # history may hold only the latest steps (log.history_steps): the run's first loss and step count
             result.report.steps, result.report.first_loss = self.state.step - first_step, first_loss
             result.report.extra.update(self.timer.finish(history))
+            result.report.extra.update(_balance_summary(history))
             if bad := getattr(self.loader, "sample_counts", dict)().get("bad"):
                 result.report.extra["bad samples skipped"] = bad
             if self.is_main_process:
@@ -352,8 +362,14 @@ class OptimizedTrainer:
     def _train_batch(self, batch: Any) -> dict[str, Any]:
         """One optimizer step on one per-rank batch; returns the step's metrics."""
         host = host_batch(self.loader, batch)  # device prefetch: tokens are counted on the host copy, not the GPU's
+        if self.compute_clock is not None:
+            self.compute_clock.start()
         loss, plan = self.micro_batching.run(lambda size: self.train_step(batch, size, host=host),
                                              cleanup=self.engine.discard_gradients)
+        ranks = {}
+        if self.compute_clock is not None:  # before the optimizer step: compute up to the last gradient
+            compute = self.compute_clock.seconds()
+            ranks = {"balance/compute_s": compute, "balance/straggler_s": straggler_seconds(compute, self.device)}
         with self.timer.phase("optimizer"):
             step = self.optimizer_step(loss, plan)
         self.state.step = step.number
@@ -366,7 +382,7 @@ class OptimizedTrainer:
         self.state.tokens_seen += tokens * self.world_size
         return {"step": step.number, "loss": step.values["loss"], **step.metrics,
                 "micro_batch_size": self.state.micro_batch_size, "accumulation_steps": self.state.accumulation_steps,
-                "samples": samples, "tokens": tokens, "skipped": not step.applied,
+                "samples": samples, "tokens": tokens, "skipped": not step.applied, **ranks,
                 **({"grad_norm": step.values["grad_norm"]} if "grad_norm" in step.values else {})}
 
     def _describe_memory(self) -> str:
@@ -513,12 +529,32 @@ class OptimizedTrainer:
         Usage: ``trainer.fit(); trainer.export("out", processor=processor)``"""
         from vlmfast.export import export_model
 
-        if not self.engine.local_state_dict:
-            raise ValueError(f"export: the {type(self.engine).__name__} shards the weights, and gathering them for an "
-                             "export is not supported yet: save a checkpoint and export it from one process")
+        if refusal := self._export_refusal():
+            raise ValueError(f"export: {refusal}")
         path = export_model(self.engine.module, directory, merge=merge, processor=processor) \
             if self.is_main_process else None
         barrier()
+        return path
+
+    def _export_refusal(self) -> str | None:
+        """Why this trainer cannot export, or None."""
+        if self.engine.local_state_dict:
+            return None
+        return (f"the {type(self.engine).__name__} shards the weights, and gathering them for an export is not "
+                "supported yet: save a checkpoint and export it from one process")
+
+    def _export_at_end(self, metrics_logger: MetricsLogger) -> Path | None:
+        """save.export: the trained model exported at the end of a completed fit(); the log says where."""
+        from vlmfast.strategies.lora import is_peft_model
+
+        export = self.spec.save.export
+        if export.dir is None:
+            return None
+        path = self.export(export.dir, merge=export.merge)
+        if path is not None:
+            lora = is_peft_model(self.engine.module)
+            what = ("the merged model" if export.merge else "the LoRA adapters") if lora else "the model"
+            metrics_logger.write(f"exported {what} to {path}")
         return path
 
     def save(self, directory: str | Path | None = None) -> Path:
@@ -592,3 +628,16 @@ def _engine_state_of_v01(state: dict[str, Any]) -> dict[str, Any]:
     old["optimizer"] = old.get("optimizer") or state["strategies"].get("optimizer", {}).get("optimizer")
     old["precision"] = state["strategies"].get("precision", {})
     return {key: value for key, value in old.items() if value is not None}
+
+
+def _balance_summary(history: list[dict[str, Any]]) -> dict[str, str]:
+    """Report lines of the per-rank figures (data.rank_balance, log.straggler): means over the logged steps."""
+    out = {}
+    for key, label, unit in (("balance/straggler_s", "straggler time per step (max - min rank compute)", "ms"),
+                             ("balance/imbalance", "estimated rank imbalance (max / mean - 1), dealt", ""),
+                             ("balance/imbalance_positional", "estimated rank imbalance, positional deal", "")):
+        values = [h[key] for h in history if key in h]
+        if values:
+            mean = sum(values) / len(values)
+            out[label] = f"{mean * 1000:.1f} ms" if unit == "ms" else f"{mean:.2f}"
+    return out

@@ -47,6 +47,7 @@ class FitResult:
     report: RunReport | None = None
     interrupted: str | None = None  # the signal name when SIGTERM/SIGINT ended the run
     checkpoint: Path | None = None
+    exported: Path | None = None  # where save.export.dir's export was written (rank 0; None when not exported)
     eval_loss: float | None = None
     resumed_from: Path | None = None
     eval_history: list[dict[str, Any]] = field(default_factory=list)
