@@ -189,3 +189,68 @@ def test_speed_up_is_in_tokens_per_second_when_a_change_puts_more_tokens_in_a_st
     finding = Finding("padding", "padding", 0.3, "", {"data.group_by_length": "length"})
     trials = one_flag_at_a_time(lambda spec: Evidence.from_history(packed, spec), SPEC, [finding], baseline=base)
     assert trials[1].speedup == pytest.approx(1.5)  # 1500 vs 1000 tokens/s, although each step takes twice as long
+
+
+# ---- issue 29: the speed-up is the ratio of the printed p50s; a start-up cost counts over the job ---------------
+def _job_history(warmup_s: list[float], timed_s: list[float], tokens: int = 100) -> list[dict]:
+    """Untimed warm-up steps, then timed steps (the trainer's `step_time`, the profiler's `perf/step_time`)."""
+    rows = [{"step": i + 1, "step_time": t, "tokens": tokens} for i, t in enumerate(warmup_s)]
+    return rows + [{"step": len(warmup_s) + i + 1, "step_time": t, "perf/step_time": t, "tokens": tokens}
+                   for i, t in enumerate(timed_s)]
+
+
+def _printed_rows(table: str) -> dict[str, list[str]]:
+    """label -> [p50 ms, tokens/s, speed-up, ...] of the table's measured rows."""
+    rows = [line.split() for line in table.splitlines()[1:]]
+    return {row[0]: row[1:] for row in rows if len(row) >= 5 and row[3].endswith("x")}
+
+
+def _compile_and_workers(max_steps: int):
+    """The issue's job: compile's p50 76.8 ms against 1737 ms, but a 40 s compile and a 12 s recompile step."""
+    from vlmfast.profiling.doctor import Finding
+
+    spec = TrainSpec(batch_size=4, max_steps=max_steps, log={"progress": "off"})
+    base = Evidence.from_history(_job_history([1.9], [1.737] * 7), spec)
+    measured = {
+        "compile": Evidence.from_history(_job_history([40.0], [12.0] + [0.0768] * 6), spec),
+        "workers": Evidence.from_history(_job_history([1.95], [1.5] * 7), spec),
+    }
+    findings = [Finding("compute", "Compute-bound", 0.15, "", {"compile.enabled": True}),
+                Finding("data_loading", "Data-bound", 0.10, "", {"data.num_workers": 2})]
+    trials = one_flag_at_a_time(
+        lambda s: measured["compile" if s.compile.enabled else "workers"], spec, findings, baseline=base)
+    return findings, trials
+
+
+def test_doctor_speed_up_is_the_ratio_of_the_p50s_it_prints() -> None:
+    _, trials = _compile_and_workers(max_steps=8)
+    rows = _printed_rows(format_trials(trials))
+    base_p50 = float(rows["baseline"][0])
+    for label in ("compile.enabled=true", "data.num_workers=2"):
+        p50, speedup = float(rows[label][0]), float(rows[label][2].rstrip("x"))
+        assert speedup == pytest.approx(base_p50 / p50, abs=0.006), (label, rows[label])
+        # tokens/s is the same p50's: its ratio is the speed-up too
+        assert speedup == pytest.approx(float(rows[label][1]) / float(rows["baseline"][1]), rel=0.01)
+    assert float(rows["compile.enabled=true"][2].rstrip("x")) == pytest.approx(1737 / 76.8, abs=0.006)
+
+
+def test_doctor_does_not_advise_a_start_up_cost_the_job_never_earns_back() -> None:
+    from vlmfast.profiling.doctor import rank_findings, ranked_trials
+
+    findings, trials = _compile_and_workers(max_steps=8)
+    compiled = next(t for t in trials if t.change == {"compile.enabled": True})
+    assert compiled.startup_s == pytest.approx((40 - 0.0768) + (12 - 0.0768) - (1.9 - 1.737))
+    assert compiled.run_speedup == pytest.approx(8 * 1.737 / (compiled.startup_s + 8 * 0.0768))
+    assert compiled.run_speedup < 1 < compiled.speedup and not compiled.advised
+    table = format_trials(trials)
+    assert [t.label for t in ranked_trials(trials)][1] == "data.num_workers=2"
+    assert "advice: try --set data.num_workers=2 first" in table and "compile" not in table.splitlines()[-1]
+    ranked = rank_findings(findings, trials)
+    assert [f.key for f in ranked] == ["data_loading", "compute"]  # compile was first by its rule, not measured
+    assert ranked[1].measured.endswith("not advised") and "22.62x per step" in ranked[1].measured
+
+    # the same start-up over a long job is earned back: then compile is first and advised
+    findings, trials = _compile_and_workers(max_steps=10_000)
+    assert ranked_trials(trials)[1].change == {"compile.enabled": True}
+    assert "advice: try --set compile.enabled=true first" in format_trials(trials)
+    assert rank_findings(findings, trials)[0].key == "compute"

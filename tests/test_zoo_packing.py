@@ -29,9 +29,6 @@ N = 6  # samples per step: 1, 0, 2, 1, 2, 0 images
 REFUSED = {  # family -> what the refusal must say: refused by its batch layout, on any release
     "mllama": r"packing cannot lay out batch key 'cross_attention_mask'.*cross-attention",
     "cnn": r"packing needs token sequences.*a list",
-    # images per sample (batch_num_images) decide each sample's image path (anyres for a lone image): one value per
-    # sample cannot stand for several documents in a row
-    "llava_onevision": r"packing cannot lay out batch key 'batch_num_images'.*per-sample values",
 }
 # Any other family is packed when the probe measures packing exact and refused, with this reason, when it does not:
 # which of the two a model gets may change between releases of transformers (PaliGemma's token_type_ids mask did).

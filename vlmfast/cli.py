@@ -12,6 +12,7 @@ Usage::
     vlmfast doctor run.yaml                # profile a few steps: what is slow and which flag to turn on next
     vlmfast shards write images/ shards/ --max-count 1000   # a folder or JSONL -> WebDataset tar shards
     vlmfast bench --quick                  # vlmfast vs a hand-written loop, Accelerate, the HF Trainer, Fabric
+    vlmfast export ckpt/step_00000600 out/ --merge   # a checkpoint's model (LoRA: adapters or merged) for HF
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "shards": ("WebDataset tar shards for fast streaming training data", "vlmfast.data.shards_cli:add_shards_command"),
     "bench": ("train the same VLM with a hand-written loop, vlmfast (each strategy, best), Accelerate, the HF Trainer "
               "and Fabric; tables, charts, memory headroom", "vlmfast.bench.cli:add_bench_command"),
+    "export": ("write a checkpoint's model as a Hugging Face folder: a LoRA run's adapters (or --merge: the merged "
+               "model), save_pretrained, or model.safetensors", "vlmfast.export_cli:add_export_command"),
 }
 
 

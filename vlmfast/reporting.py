@@ -2,13 +2,17 @@
 
 Only rank 0 writes. After a resume, ``metrics.jsonl`` is first cut back to the step the run resumed from (a killed
 run may have logged steps after its last checkpoint, which are about to run again), and TensorBoard purges its events
-after that step; ``report.json`` describes the whole run across resumes (:meth:`MetricsLogger.whole_run`). A log
-that cannot be written (a full disk) is warned about once and skipped: it never stops training or its checkpoints.
+after that step; ``report.json`` describes the whole run across resumes (:meth:`MetricsLogger.whole_run`). A fresh
+run (not a resume) in a log.dir that holds another run's report.json keeps it as ``report.previous.json``, and its
+report ends with what changed against it: the spec fields and the headline figures (:meth:`MetricsLogger.compare`).
+A log that cannot be written (a full disk) is warned about once and skipped: it never stops training or its
+checkpoints.
 
 Usage::
 
     with MetricsLogger(spec.log, total_steps=spec.max_steps, initial_step=resumed_step) as metrics:
         metrics.log_step({"step": 1, "loss": 2.3, ...})
+        metrics.compare(session_report, eval_loss=0.9)  # the spec, and the previous run's figures to compare with
         report = metrics.whole_run(session_report)      # cumulative over every session of this run
 """
 
@@ -20,6 +24,7 @@ import logging
 import os
 import secrets
 import sys
+import textwrap
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,7 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.json"
+PREVIOUS_REPORT_FILE = "report.previous.json"  # the report of the run before this one in the same log.dir
 TRACKER_FOLDERS = ("wandb", "mlruns")  # where W&B and a local MLflow store write under log.dir (vlmfast.tracking)
 
 
@@ -52,15 +58,19 @@ class MetricsLogger:
         self._fd: int | None = None
         self._tensorboard = None
         if enabled and spec.dir is not None:  # before anything is opened: a planted link fails the run at its start
-            for name in (METRICS_FILE, REPORT_FILE, *TRACKER_FOLDERS):
+            for name in (METRICS_FILE, REPORT_FILE, PREVIOUS_REPORT_FILE, *TRACKER_FOLDERS):
                 refuse_symlink(Path(spec.dir) / name, "log.dir entry")
         # W&B / MLflow get the records metrics.jsonl gets; `config` (the spec) is their run's parameters.
         self._trackers = open_trackers(spec, config) if enabled else []
+        self.config = config
+        self.previous: dict[str, Any] | None = None
         self._failed: str | None = None  # the first write error, warned once
         self.path = Path(spec.dir) / METRICS_FILE if spec.dir is not None else None
         if enabled and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = self._open_truncated(self.path, initial_step)
+            # the run before this one (a resume's earlier sessions are this run: report.json, merged by whole_run)
+            self.previous = self._previous_run(initial_step)
             if spec.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -88,6 +98,31 @@ class MetricsLogger:
                 log.warning("%s held %d line(s) of an earlier run that never saved a checkpoint: starting it afresh",
                             path, dropped)
         return fd
+
+    def _previous_run(self, initial_step: int) -> dict[str, Any] | None:
+        """The previous run's report. A fresh run (nothing resumed: initial_step 0) finding a report.json keeps it as
+        report.previous.json (it is another run's: this one has written none yet); a resumed run's report.json is
+        its own earlier sessions', so its previous run is the report.previous.json its first session kept."""
+        folder = Path(self.spec.dir)  # type: ignore[arg-type]
+        current, kept = folder / REPORT_FILE, folder / PREVIOUS_REPORT_FILE
+        if initial_step == 0 and current.exists():
+            try:
+                os.replace(current, kept)  # a link at either name was refused above
+            except OSError as exc:
+                log.warning("cannot keep the previous run's %s as %s (%s): this report is not compared with it",
+                            current, kept.name, exc.strerror or exc)
+                return None
+            log.info("%s: the previous run's report, kept as %s to compare with", current, kept.name)
+        return _read_report(kept)
+
+    def compare(self, session: RunReport, eval_loss: float | None = None) -> None:
+        """Complete this session's report: its spec, its held-out loss, and the previous run's report to compare
+        with (the "vs the previous run" block of :meth:`RunReport.to_text`)."""
+        session.eval_loss = eval_loss if eval_loss is not None else session.eval_loss
+        if self.config is not None:
+            session.spec = _plain(self.config)
+        if self.previous is not None:
+            session.previous = {key: self.previous.get(key) for key in PREVIOUS_KEYS}
 
     def log_step(self, metrics: dict[str, Any]) -> None:
         """Record one optimizer step (written every `log.every_steps`; the bar moves every step)."""
@@ -195,6 +230,11 @@ def _check_event_file(writer: Any) -> None:
         raise
 
 
+def _plain(value: Any) -> Any:
+    """`value` as report.json holds it (paths as strings), so that a spec compares equal to its saved copy."""
+    return json.loads(json.dumps(value, default=str))
+
+
 def _lines_up_to(path: Path, step: int) -> tuple[int, int]:
     """(bytes to keep, lines dropped): whole JSON lines of steps <= `step`, up to the first other line."""
     keep, dropped = 0, 0
@@ -276,6 +316,41 @@ def _earlier_sessions(previous: dict[str, Any] | None, before: list[dict[str, An
     return known
 
 
+# The figures the "vs the previous run" block compares: (label, RunReport field, scale, decimals). Each has one
+# definition whatever the precision or packing (FIGURE_DEFINITIONS, printed under them).
+HEADLINE_FIGURES = (
+    ("samples/s", "samples_per_s", 1.0, 1),
+    ("real tokens/s", "tokens_per_s", 1.0, 0),
+    ("step time p50 (ms)", "step_time_p50_s", 1e3, 1),
+    ("step time p90 (ms)", "step_time_p90_s", 1e3, 1),
+    ("peak memory (GiB)", "peak_memory_gb", 1.0, 2),
+    ("eval loss", "eval_loss", 1.0, 4),
+)
+PREVIOUS_KEYS = ("steps", "device", *(key for _, key, _, _ in HEADLINE_FIGURES), "spec")
+FIGURE_DEFINITIONS = (
+    "tokens: real input tokens (the attention mask's sum; packed rows without their padding), the same count at "
+    "every precision, packed or not; samples: training samples (several per packed row); step time: "
+    f"{STEP_TIME_DEFINITION}; peak memory: the device allocator's peak (process RSS on cpu); eval loss: "
+    "loss-token-weighted mean over eval_data at the end"
+)
+
+
+def spec_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted name, old value, new value) of every spec field that differs (a field one side lacks: None)."""
+    changes = []
+    for key in sorted(set(old) | set(new), key=lambda k: (list(new).index(k) if k in new else len(new), k)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += spec_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append((f"{prefix}{key}", a, b))
+    return changes
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 @dataclass
 class RunReport:
     """The end-of-run summary: time, throughput, memory, loss and what each enabled strategy changed."""
@@ -295,6 +370,9 @@ class RunReport:
     strategies: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     step_time_p99_s: float = 0.0
+    eval_loss: float | None = None  # the held-out loss at the end (None: no eval_data)
+    spec: dict[str, Any] | None = None  # the run's TrainSpec, as a dict
+    previous: dict[str, Any] | None = None  # the previous run's figures and spec (PREVIOUS_KEYS); None: first run
 
     def to_text(self) -> str:
         loss = (f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}" if self.final_loss is not None
@@ -313,7 +391,31 @@ class RunReport:
         lines += [f"  {key}: {value}" for key, value in self.extra.items()]
         lines.append("  strategies:")
         lines += [f"    - {line}" for line in self.strategies]
+        if self.previous is not None:
+            lines += self._versus_previous(self.previous)
         return "\n".join(lines)
+
+    def _versus_previous(self, previous: dict[str, Any]) -> list[str]:
+        """What changed against the previous run in this log.dir: its spec fields, then each headline figure."""
+        lines = [f"  vs the previous run ({PREVIOUS_REPORT_FILE}: {previous.get('steps')} steps on "
+                 f"{previous.get('device')}; ratio = this run / previous):"]
+        if previous.get("spec") is None or self.spec is None:
+            lines.append("    spec: not recorded in the previous report")
+        else:
+            changes = spec_changes(previous["spec"], self.spec)
+            lines.append("    spec: " + ("no field differs" if not changes else f"{len(changes)} field(s) differ"))
+            lines += [f"      {name}: {_show(old)} -> {_show(new)}" for name, old, new in changes]
+        for label, key, scale, digits in HEADLINE_FIGURES:
+            old, new = previous.get(key), getattr(self, key)
+            shown = [f"{value * scale:.{digits}f}" if isinstance(value, (int, float)) else "-" for value in (old, new)]
+            ratio = f"{new / old:.2f}x" if isinstance(old, (int, float)) and isinstance(new, (int, float)) and old \
+                else "-"
+            lines.append(f"    {label:<20} {shown[0]:>10} -> {shown[1]:<10} {ratio}")
+        lines += textwrap.wrap(FIGURE_DEFINITIONS, 116, initial_indent="    ", subsequent_indent="    ")
+        if previous.get("device") != self.device:
+            lines.append(f"    the devices differ ({previous.get('device')} -> {self.device}): peak memory is not the "
+                         "same measure on both")
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

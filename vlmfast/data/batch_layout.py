@@ -281,6 +281,10 @@ def image_key_kinds(batch: Mapping[str, Any], layout: BatchLayout | None = None)
         kinds.update({k: "sample" for k in present})
     else:
         kinds.update({k: "items" for k in present})
+        items, _ = _items(batch, "pixel_values", "image_grid_thw", ("image_sizes",))
+        count_key = _count_key(batch, n, tokens, items)
+        if count_key is not None and len(batch[count_key]) != n:  # one entry per image-carrying sample: kept in the
+            kinds[count_key] = "items"  # images' order, so every image keeps its sample's count (its image path)
     return kinds
 
 

@@ -198,7 +198,7 @@ def pack_documents(
     lengths = [int(d["input_ids"].shape[-1]) for d in docs]
     rows = plan_rows(lengths, max_tokens, algorithm)
     width = max_tokens if pad_to_max_tokens else max(sum(lengths[i] for i in row) for row in rows)
-    tensors = _pack_tokens(docs, rows, width, pad_id, ignore_index)
+    tensors = _pack_tokens(docs, rows, width, pad_id, ignore_index, image_keys)
     for key in image_keys:
         if any(key in d for d in docs):
             how = image_layout if isinstance(image_layout, str) else image_layout.get(key, "per_row")
@@ -231,11 +231,11 @@ def _with_placeholders(doc: Document, image_tokens: int, image_keys: Sequence[st
 
 
 def _pack_tokens(docs: Sequence[Document], rows: list[list[int]], width: int, pad_id: int,
-                 ignore_index: int) -> dict[str, Tensor]:
+                 ignore_index: int, image_keys: Sequence[str] = ()) -> dict[str, Tensor]:
     first = docs[0]
     out: dict[str, Tensor] = {}
     for key, value in first.items():
-        if value.dim() == 1:
+        if value.dim() == 1 and key not in image_keys:  # an image key of one dimension: per-image counts
             fill = {"input_ids": pad_id, "labels": ignore_index}.get(key, 0)
             out[key] = value.new_full((len(rows), width), fill)
     mrope = "position_ids" in first and is_mrope_position_ids(first["position_ids"].unsqueeze(1))

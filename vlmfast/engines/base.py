@@ -118,6 +118,11 @@ class Engine:
 
     keeps_trainable_only = True  # state_dict(trainable_only=True) holds the trainable parameters alone
 
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether a rank holds only part of each weight (FSDP2, ZeRO-3): the module's tensors are not the model."""
+        return False
+
     def state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
         """Model, optimizer and precision state (every rank calls it: gathering may be a collective).
         `trainable_only`: the model's trainable parameters alone (a LoRA run: its frozen base is fingerprinted,

@@ -128,6 +128,10 @@ class DeepSpeedEngine(Engine):
     writes_shards = True  # every rank writes its ZeRO shard
     can_probe = False
 
+    @property
+    def shards_parameters(self) -> bool:
+        return self.spec.deepspeed.zero_stage == 3  # ZeRO-1/2 shard optimizer states and gradients only
+
     def __init__(self, spec: TrainSpec, world_size: int) -> None:
         super().__init__(EnginePrecision(spec.precision, "DeepSpeed (bf16/fp16 weights, fp32 masters)"), world_size)
         self.spec = spec

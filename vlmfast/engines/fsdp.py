@@ -97,6 +97,7 @@ class FSDPEngine(Engine):
     name = "fsdp"
     can_probe = False
     local_state_dict = False  # the full state is all-gathered
+    shards_parameters = True
 
     def __init__(self, spec: FSDPSpec, precision: str, world_size: int) -> None:
         super().__init__(EnginePrecision(precision, "FSDP2's MixedPrecisionPolicy"), world_size)

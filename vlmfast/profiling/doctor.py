@@ -30,8 +30,8 @@ from pydantic import ValidationError
 from vlmfast.profiling.phase_timer import percentile
 from vlmfast.spec import TrainSpec
 
-__all__ = ["Evidence", "Finding", "FlagTrial", "diagnose", "format_findings", "format_trials", "one_flag_at_a_time",
-           "with_changes"]
+__all__ = ["Evidence", "Finding", "FlagTrial", "diagnose", "format_findings", "format_trials",
+           "one_flag_at_a_time", "rank_findings", "ranked_trials", "trial_advice", "with_changes"]
 
 # Thresholds (share of step time) from which a phase is worth a finding; below them the gain is noise.
 DATA_WAIT_MIN = 0.10
@@ -571,7 +571,12 @@ def peek_padding(loader: Any, batches: int = 4) -> float | None:
 # ---- one flag at a time ---------------------------------------------------------------------------------------
 @dataclass
 class FlagTrial:
-    """A measured run with one change applied (or the baseline)."""
+    """A measured run with one change applied (or the baseline).
+
+    ``speedup`` is baseline p50 step time / this p50 step time, per real token when the tokens in a step differ
+    (the ratio of the printed tokens/s, both at the p50 step). ``startup_s`` is this run's one-off time beyond the
+    baseline's (compile, autotuning: what its steps spent above its p50, warm-up included), and ``run_speedup`` the
+    gain over the job's ``run_steps`` with it paid: baseline N x p50 / (start-up + N x p50, per the same tokens)."""
 
     label: str
     change: dict[str, Any]
@@ -580,14 +585,25 @@ class FlagTrial:
     speedup: float = 1.0
     error: str | None = None
     tokens_per_s: float | None = None
+    startup_s: float = 0.0
+    run_speedup: float = 1.0
+    run_steps: int | None = None
+
+    @property
+    def advised(self) -> bool:
+        """Faster over the whole job once its start-up is paid (the only gain a run gets)."""
+        return self.error is None and self.label != "baseline" and self.run_speedup > 1.0
 
 
 def one_flag_at_a_time(run: Callable[[TrainSpec], Evidence], spec: TrainSpec, findings: Sequence[Finding],
                        baseline: Evidence | None = None) -> list[FlagTrial]:
-    """Run the baseline and each finding's change alone. The speed-up is in tokens/s when both runs report tokens
-    (a change such as packing puts more tokens in a step), else baseline p50 step time / changed p50 step time."""
+    """Run the baseline and each finding's change alone. The speed-up is baseline p50 step time / changed p50 step
+    time, per real token when both runs count tokens (a change such as packing puts more tokens in a step); the run
+    speed-up also pays the change's start-up over the job's `spec.max_steps` steps (see :class:`FlagTrial`)."""
     baseline = baseline or run(spec)
-    base = FlagTrial("baseline", {}, baseline.step_ms, baseline.peak_memory_gb, tokens_per_s=baseline.tokens_per_s)
+    steps = spec.max_steps
+    base = FlagTrial("baseline", {}, baseline.step_ms, baseline.peak_memory_gb, tokens_per_s=_rate(baseline),
+                     run_steps=steps)
     trials = [base]
     for finding in findings:
         if not finding.change:
@@ -596,28 +612,112 @@ def one_flag_at_a_time(run: Callable[[TrainSpec], Evidence], spec: TrainSpec, fi
         try:
             measured = run(with_changes(spec, finding.change))
         except Exception as exc:  # a flag that cannot run here is a result too, not the end of the table
-            trials.append(FlagTrial(label, finding.change, math.nan, None, math.nan, f"{type(exc).__name__}: {exc}"))
+            trials.append(FlagTrial(label, finding.change, math.nan, None, math.nan, f"{type(exc).__name__}: {exc}",
+                                    run_speedup=math.nan, run_steps=steps))
             continue
-        if base.tokens_per_s and measured.tokens_per_s:
-            speedup = measured.tokens_per_s / base.tokens_per_s
-        else:
-            speedup = base.step_ms / measured.step_ms if measured.step_ms > 0 else math.nan
-        trials.append(FlagTrial(label, finding.change, measured.step_ms, measured.peak_memory_gb, speedup,
-                                tokens_per_s=measured.tokens_per_s))
+        startup = max(0.0, (measured.startup_s or 0.0) - (baseline.startup_s or 0.0))
+        trials.append(FlagTrial(label, finding.change, measured.step_ms, measured.peak_memory_gb,
+                                _speedup(baseline, measured), tokens_per_s=_rate(measured), startup_s=startup,
+                                run_speedup=_run_speedup(baseline, measured, startup, steps), run_steps=steps))
     return trials
 
 
+def _rate(ev: Evidence) -> float | None:
+    """Real tokens per second at the p50 step (None when the run counted no tokens)."""
+    return ev.tokens_per_step * 1e3 / ev.step_ms if ev.tokens_per_step and ev.step_ms > 0 else None
+
+
+def _work_ratio(base: Evidence, measured: Evidence) -> float:
+    """Steps of `measured` that do one baseline step's real tokens (1 when either counted none)."""
+    if base.tokens_per_step and measured.tokens_per_step:
+        return base.tokens_per_step / measured.tokens_per_step
+    return 1.0
+
+
+def _speedup(base: Evidence, measured: Evidence) -> float:
+    if not measured.step_ms > 0:
+        return math.nan
+    return base.step_ms / (measured.step_ms * _work_ratio(base, measured))
+
+
+def _run_speedup(base: Evidence, measured: Evidence, startup_s: float, steps: int) -> float:
+    """The job's `steps` steps' time on the baseline / with the change (its start-up paid once), for the same
+    real tokens."""
+    if not measured.step_ms > 0:
+        return math.nan
+    changed = startup_s + steps * _work_ratio(base, measured) * measured.step_ms / 1e3
+    return steps * base.step_ms / 1e3 / changed
+
+
+def ranked_trials(trials: Sequence[FlagTrial]) -> list[FlagTrial]:
+    """The baseline, then the changes by their gain over the whole job (start-up included), failed ones last."""
+    base = [t for t in trials if t.label == "baseline"]
+    ran = [t for t in trials if t.label != "baseline" and t.error is None]
+    failed = [t for t in trials if t.label != "baseline" and t.error is not None]
+    return base + sorted(ran, key=lambda t: -t.run_speedup if not math.isnan(t.run_speedup) else math.inf) + failed
+
+
+def trial_advice(trials: Sequence[FlagTrial]) -> str:
+    """The one change to try first, from the measurements the table shows; the baseline when none pays off."""
+    best = next((t for t in ranked_trials(trials) if t.advised), None)
+    steps = next((t.run_steps for t in trials if t.run_steps), None)
+    over = f"the job's {steps} steps" if steps else "the job"
+    if best is None:
+        return f"advice: keep the baseline: no change measured faster over {over} once its start-up is counted"
+    return (f"advice: try --set {' --set '.join(_set_args(best.change))} first: {best.run_speedup:.2f}x over {over}, "
+            f"start-up included")
+
+
 def format_trials(trials: Sequence[FlagTrial]) -> str:
-    """The one-flag-at-a-time table."""
-    lines = [f"{'change':<44} {'step p50 ms':>11} {'tokens/s':>9} {'speed-up':>9} {'peak GiB':>9}"]
-    for trial in trials:
+    """The one-flag-at-a-time table, best gain over the job first, with the definitions and the advice under it."""
+    steps = next((t.run_steps for t in trials if t.run_steps), None)
+    over = f"{steps} steps" if steps else "the job"
+    lines = [f"{'change':<44} {'step p50 ms':>11} {'tokens/s':>9} {'speed-up':>9} {'start-up s':>10} "
+             f"{'over ' + over:>15} {'peak GiB':>9}"]
+    for trial in ranked_trials(trials):
         peak = f"{trial.peak_memory_gb:.2f}" if trial.peak_memory_gb is not None else "-"
         rate = f"{trial.tokens_per_s:.0f}" if trial.tokens_per_s else "-"
         if trial.error:
             lines.append(f"{trial.label:<44} failed: {trial.error}")
         else:
-            lines.append(f"{trial.label:<44} {trial.step_ms:>11.1f} {rate:>9} {trial.speedup:>8.2f}x {peak:>9}")
+            lines.append(f"{trial.label:<44} {trial.step_ms:>11.1f} {rate:>9} {trial.speedup:>8.2f}x "
+                         f"{trial.startup_s:>10.1f} {trial.run_speedup:>14.2f}x {peak:>9}")
+    lines += [
+        "step p50: median of the timed steps (after the warm-up); tokens: real (non-padding) input tokens; "
+        "tokens/s = real tokens per step / step p50",
+        "speed-up: baseline step p50 / this step p50, per real token when a step holds more (= the ratio of the "
+        "tokens/s)",
+        f"start-up: one-off time beyond the baseline's (compile, autotuning: the steps' time above their p50); over "
+        f"{over}: baseline time / (start-up + this p50 x the steps), for the job's max_steps",
+        trial_advice(trials),
+    ]
     return "\n".join(lines)
+
+
+def rank_findings(findings: Sequence[Finding], trials: Sequence[FlagTrial]) -> list[Finding]:
+    """The findings re-ranked by what their change measured (doctor --apply): changes faster over the whole job
+    first (best gain first), then the ones not measured, then those measured no faster or failing; each measured
+    finding says its figures, so no advice contradicts the table."""
+    by_change = {tuple(sorted(t.change.items(), key=str)): t for t in trials if t.label != "baseline"}
+    winners, unmeasured, losers = [], [], []
+    for finding in findings:
+        trial = by_change.get(tuple(sorted(finding.change.items(), key=str))) if finding.change else None
+        if trial is None:
+            unmeasured.append(finding)
+            continue
+        finding.measured = _measured_text(trial)
+        (winners if trial.advised else losers).append((trial, finding))
+    winners.sort(key=lambda pair: -pair[0].run_speedup)
+    return [f for _, f in winners] + unmeasured + [f for _, f in losers]
+
+
+def _measured_text(trial: FlagTrial) -> str:
+    if trial.error:
+        return f"failed ({trial.error}): not advised"
+    over = f"the job's {trial.run_steps} steps" if trial.run_steps else "the job"
+    verdict = "advised" if trial.advised else "not advised"
+    return (f"{trial.speedup:.2f}x per step (p50 {trial.step_ms:.1f} ms), {trial.run_speedup:.2f}x over {over} with "
+            f"{trial.startup_s:.1f} s start-up: {verdict}")
 
 
 def _excluded(row: Mapping[str, Any]) -> bool:

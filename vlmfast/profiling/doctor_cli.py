@@ -66,6 +66,7 @@ def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
         format_findings,
         format_trials,
         one_flag_at_a_time,
+        rank_findings,
     )
 
     main_process = [True]
@@ -84,12 +85,14 @@ def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
     print(f"vlmfast doctor: profiling {steps} steps ...", file=sys.stderr)
     evidence = run(spec, out_dir, trace=True)
     findings = diagnose(evidence)
-    text = format_findings(findings, evidence)
     trials = []
     if apply and any(f.change for f in findings):
         print(f"vlmfast doctor: measuring {sum(bool(f.change) for f in findings)} change(s) one at a time ...",
               file=sys.stderr)
         trials = one_flag_at_a_time(run, spec, findings, baseline=evidence)
+        findings = rank_findings(findings, trials)  # by the measured gain over the job: no advice the table refutes
+    text = format_findings(findings, evidence)
+    if trials:
         text += "\n\none flag at a time (each change alone, same steps):\n" + format_trials(trials)
     if not main_process[0]:
         return None

@@ -281,6 +281,7 @@ class OptimizedTrainer:
             if bad := getattr(self.loader, "sample_counts", dict)().get("bad"):
                 result.report.extra["bad samples skipped"] = bad
             if self.is_main_process:
+                metrics_logger.compare(result.report, eval_loss=result.eval_loss)  # spec; vs the previous run
                 metrics_logger.write(result.report.to_text())
                 self._write_report(metrics_logger.whole_run(result.report))  # report.json: all sessions
         self._fire("on_fit_end", result)
@@ -538,10 +539,10 @@ class OptimizedTrainer:
 
     def _export_refusal(self) -> str | None:
         """Why this trainer cannot export, or None."""
-        if self.engine.local_state_dict:
+        if not self.engine.shards_parameters and self.engine.local_state_dict:
             return None
-        return (f"the {type(self.engine).__name__} shards the weights, and gathering them for an export is not "
-                "supported yet: save a checkpoint and export it from one process")
+        return (f"the {type(self.engine).__name__} shards the weights (FSDP2, ZeRO-3), and gathering them for an "
+                "export is not supported yet: save a checkpoint and export it from one process")
 
     def _export_at_end(self, metrics_logger: MetricsLogger) -> Path | None:
         """save.export: the trained model exported at the end of a completed fit(); the log says where."""
