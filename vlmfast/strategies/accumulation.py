@@ -153,7 +153,7 @@ class GradientAccumulation(Strategy):
         self.batchnorm = batchnorm_layers(model)
         return model
 
-    def _resolve_conventions(self, micro_batches: list[Any]) -> None:
+    def resolve_conventions(self, micro_batches: list[Any]) -> None:
         """Probe once whether the model shifts labels and honours num_items_in_batch (when labels are counted).
 
         Every rank probes its first micro-batch wide enough to probe with (labels of >= 3 positions), then all
@@ -192,7 +192,7 @@ class GradientAccumulation(Strategy):
         splitter = getattr(micro_batch_size, "split", None)
         micro_batches = (splitter(batch, host=host) if splitter is not None  # planned on the host, rows gathered
                          else split_micro_batches(batch, micro_batch_size, self.layout, host=host))
-        self._resolve_conventions(micro_batches)
+        self.resolve_conventions(micro_batches)
         counted = host_micro_batches(batch, micro_batch_size, self.layout, host, keys=(self.label_key, "shift_labels"))
         token_counts = [self._count_tokens(mb) for mb in counted or micro_batches]  # the same split, on the host
         if not self.warned_padded_labels:

@@ -117,9 +117,12 @@ class OptimizedTrainer:
         self.timer = RunProfiler(spec.profile, self.model, self.device, precision=spec.precision, tf32=spec.tf32,
                                  log_dir=spec.log.dir, is_main_process=self.is_main_process,
                                  keep_steps=spec.log.history_steps)
-        if spec.packing.enabled:  # after apply: accumulation resolved whether the model shifts labels
+        if spec.packing.enabled:
+            if not isinstance(self.accumulation.shift_labels, bool):  # "auto": measured now (a document's first
+                probe = self._first_sample_batch()  # label is dropped only for a model that shifts labels)
+                self.accumulation.resolve_conventions([probe] if probe is not None else [])
             self.collate_fn = build_packing_collator(
-                spec.packing, self.engine.module, collate_fn, shift_labels=bool(self.accumulation.shift_labels),
+                spec.packing, self.engine.module, collate_fn, shift_labels=self.accumulation.shift_labels is not False,
                 ignore_index=spec.loss.ignore_index)
             # Measured, not assumed: packed documents must give the padded batch's outputs (refused here if not)
             check_packing(self.engine.module, probe_samples(train_data), self.collate_fn, loss_fn=loss_fn,
