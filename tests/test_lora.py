@@ -48,7 +48,7 @@ def hand_written_step(model, case) -> dict[str, torch.Tensor]:
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
-def lora_step(case, trainer_spec: TrainSpec):
+def lora_step(case, trainer_spec: TrainSpec, oom_above: int | None = None):
     """The trainer's update, and the hand-written one from the same initial LoRA model (a plain LoRA trainer's: a
     strategy may replace the forward, e.g. the chunked loss, which a copy of the model would not carry over)."""
     plain = OptimizedTrainer(copy.deepcopy(case.model), case.samples, spec(lora=trainer_spec.lora.model_dump()),
@@ -58,7 +58,13 @@ def lora_step(case, trainer_spec: TrainSpec):
     model = trainer.engine.module
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert all(torch.equal(start[n], p) for n, p in plain.named_parameters())  # the same adapters to start from
-    result = trainer.fit()
+    if oom_above is None:
+        result = trainer.fit()
+    else:
+        from vlmfast.testing import simulated_oom
+
+        with simulated_oom(oom_above):  # more samples per micro-batch run out of memory
+            result = trainer.fit()
     update = {n: p.detach() - start[n] for n, p in model.named_parameters()}
     return update, reference, trainer, result
 
@@ -94,11 +100,28 @@ def test_the_lora_step_equals_a_hand_written_peft_step(case):
     {"micro_batch_size": 8, "micro_batch_tokens": 64},
     {"activation_checkpointing": {"enabled": True}},
     {"linear_cross_entropy": {"enabled": True}},
-], ids=["micro-batches", "token-budget", "checkpointing", "chunked-ce"])
-def test_each_strategy_on_top_gives_the_plain_lora_step(strategy):
+    {"oom": {"enabled": True}},
+    {"packing": {"enabled": True, "max_tokens": 64}},
+    {"vision_cache": {"enabled": True}},
+], ids=["micro-batches", "token-budget", "checkpointing", "chunked-ce", "oom-fallback", "packing", "vision-cache"])
+def test_each_strategy_on_top_gives_the_plain_lora_step(strategy, tmp_path):
     case = build_case("llava")
-    update, reference, _, _ = lora_step(case, spec(**strategy))
+    if "vision_cache" in strategy:  # LoRA leaves the tower frozen (no adapters there): the cache may serve it
+        strategy = {"vision_cache": {"enabled": True, "dir": str(tmp_path)}}
+    oom = 3 if "oom" in strategy else None  # 8 -> 4 -> 2 samples per micro-batch
+    update, reference, trainer, _ = lora_step(case, spec(**strategy), oom_above=oom)
+    assert oom is None or trainer.state.micro_batch_size == 2
     assert_same_update(update, reference)
+    if "vision_cache" in strategy:
+        cache = next(s for s in trainer.strategies if s.name == "vision_cache").cache
+        assert cache.disabled is None or "uses trainable parameters" not in cache.disabled, cache.disabled
+
+
+def test_bf16_trains_the_adapters():
+    case = build_case("llava")
+    update, _, _, result = lora_step(case, spec(precision="bf16"))
+    assert torch.isfinite(torch.tensor(result.history[0]["loss"]))
+    assert any(u.abs().max() > 0 for n, u in update.items() if "lora_" in n)
 
 
 def test_a_model_the_user_wrapped_with_peft_is_used_as_it_is():

@@ -82,28 +82,36 @@ def pad(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def _spec(batch_size: int, balance: str) -> TrainSpec:
+def _spec(batch_size: int, balance: str, **extra) -> TrainSpec:
     return TrainSpec(max_steps=3, batch_size=batch_size, micro_batch_size=2, device="cpu", seed=0,
                      optimizer={"name": "sgd", "lr": 0.5}, log={"progress": "off"},
-                     data={"rank_balance": balance, "rank_balance_cost": {"per_token": 1.0, "per_token_pair": 0.01}})
+                     data={"rank_balance": balance, "rank_balance_cost": {"per_token": 1.0, "per_token_pair": 0.01}},
+                     **extra)
 
 
 def _params(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().double().clone() for n, p in trainer.engine.module.named_parameters()}
 
 
-def _two_rank_runs() -> dict:
+def _two_rank_runs(checkpoints: str) -> dict:
     out = {}
     for balance in ("off", "cost"):
         torch.manual_seed(0)
         trainer = OptimizedTrainer(TinyCausalLM().double(), LongTailed(), _spec(4, balance), collate_fn=pad)
         result = trainer.fit()
         out[balance] = {"params": _params(trainer), "history": result.history}
+    save = {"dir": checkpoints, "every_steps": 2, "resume": "auto"}  # stopped after step 2, then resumed to 3
+    for steps in (2, 3):
+        torch.manual_seed(0)
+        trainer = OptimizedTrainer(TinyCausalLM().double(), LongTailed(), _spec(4, "cost", save=save)
+                                   .model_copy(update={"max_steps": steps}), collate_fn=pad)
+        result = trainer.fit()
+    out["resumed"] = {"params": _params(trainer), "from": str(result.resumed_from)}
     return out
 
 
 def test_two_ranks_with_cost_balance_train_as_one_process_with_the_global_batch(tmp_path):
-    ranks = spawn_two_ranks(_two_rank_runs, tmp_path, "balance")
+    ranks = spawn_two_ranks(_two_rank_runs, tmp_path, "balance", str(tmp_path / "checkpoints"))
     torch.manual_seed(0)
     one = OptimizedTrainer(TinyCausalLM().double(), LongTailed(), _spec(8, "off"), collate_fn=pad)
     one.fit()
@@ -124,6 +132,9 @@ def test_two_ranks_with_cost_balance_train_as_one_process_with_the_global_batch(
     spread = [[h["balance/straggler_s"] for h in rank["cost"]["history"]] for rank in ranks]
     assert spread[0] == spread[1] and all(s >= 0 for s in spread[0])
     assert "balance/compute_s" not in ranks[0]["off"]["history"][0]  # log.straggler off, no balance: not measured
+    for rank in ranks:  # resumed at step 2: the same deal of step 3, bit-exact
+        assert rank["resumed"]["from"].endswith("step_00000002")
+        assert all(torch.equal(rank["resumed"]["params"][n], p) for n, p in rank["cost"]["params"].items())
 
 
 def test_the_compute_clock_stops_at_the_last_gradient_not_at_what_waits_after_it():
