@@ -93,11 +93,15 @@ def _params(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().double().clone() for n, p in trainer.engine.module.named_parameters()}
 
 
+COMPOSED = {"cost+token-budget": {"micro_batch_tokens": 160}}  # shares split by tokens: the same gradient
+
+
 def _two_rank_runs(checkpoints: str) -> dict:
     out = {}
-    for balance in ("off", "cost"):
+    for balance in ("off", "cost", *COMPOSED):
         torch.manual_seed(0)
-        trainer = OptimizedTrainer(TinyCausalLM().double(), LongTailed(), _spec(4, balance), collate_fn=pad)
+        spec = _spec(4, balance.split("+")[0], **COMPOSED.get(balance, {}))
+        trainer = OptimizedTrainer(TinyCausalLM().double(), LongTailed(), spec, collate_fn=pad)
         result = trainer.fit()
         out[balance] = {"params": _params(trainer), "history": result.history}
     save = {"dir": checkpoints, "every_steps": 2, "resume": "auto"}  # stopped after step 2, then resumed to 3
@@ -118,7 +122,7 @@ def test_two_ranks_with_cost_balance_train_as_one_process_with_the_global_batch(
     reference = _params(one)
     scale = torch.cat([p.flatten() for p in reference.values()]).norm()
     for rank in ranks:
-        for balance in ("off", "cost"):
+        for balance in ("off", "cost", *COMPOSED):  # composed with a token budget: the same
             diff = torch.cat([(rank[balance]["params"][n] - p).flatten() for n, p in reference.items()]).norm()
             assert diff <= 1e-6 * scale, (balance, float(diff / scale))
     balanced = ranks[0]["cost"]["history"]

@@ -282,8 +282,9 @@ class TokenBudget:
 
         ``host``: the host batch ``batch`` was copied from (device prefetch): the split is planned there (lengths,
         image counts, columns) and only the rows are gathered from ``batch``, so no device value is read."""
-        if isinstance(batch, SampleBatch):
-            whole = batch.host_micro_batches[0]
+        if isinstance(batch, SampleBatch):  # planned on all its samples (a rank's share may hold more than one chunk)
+            chunks = batch.host_micro_batches
+            whole = chunks[0] if len(chunks) == 1 else batch.first(len(batch))
             self.picks, self._host = self.plan(whole, lenient=True), batch
             return batch.collate_groups([list(pick.rows) for pick in self.picks])
         self._host = host if host is not None else batch
