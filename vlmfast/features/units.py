@@ -205,7 +205,13 @@ class Idefics3Adapter:
 
 
 class Qwen2VLAdapter:
-    """Qwen2-VL / Qwen2.5-VL ``get_image_features(pixel_values [patches, D], image_grid_thw [N, 3])``."""
+    """``get_image_features(pixel_values [patches, D], image_grid_thw [N, 3])`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+    Besides ``pooler_output``, per-layer ``deepstack_features`` (Qwen3-VL's, one tuple of per-image tensors per
+    layer) are kept per image: an image's entry is its features stacked ``[1 + layers, tokens, dim]``."""
+
+    def __init__(self) -> None:
+        self.output_type: type | None = None  # the call's own output class (it carries deepstack_features)
+        self.layers = 0
 
     def split(self, arguments: dict[str, Any]) -> CallImages | None:
         pixels, grid = arguments.get("pixel_values"), arguments.get("image_grid_thw")
@@ -222,13 +228,24 @@ class Qwen2VLAdapter:
             indices: list[int]) -> tuple[list[Tensor], Any]:
         if len(indices) == len(images):
             output = fn(**arguments)
-            return _pooled(output), output
+            return self._per_image(output), output
         pixels = torch.cat([images.inputs[i][0] for i in indices])
         grid = torch.stack([images.inputs[i][1] for i in indices])
-        return _pooled(fn(**{**arguments, "pixel_values": pixels, "image_grid_thw": grid})), None
+        return self._per_image(fn(**{**arguments, "pixel_values": pixels, "image_grid_thw": grid})), None
+
+    def _per_image(self, output: Any) -> list[Tensor]:
+        pooled = _pooled(output)
+        deep = getattr(output, "deepstack_features", None)
+        if not deep:
+            return pooled
+        self.output_type, self.layers = type(output), len(deep)
+        return [torch.stack([p, *(layer[i] for layer in deep)]) for i, p in enumerate(pooled)]
 
     def assemble(self, features: list[Tensor], images: CallImages, arguments: dict[str, Any]) -> Any:
-        return _model_output(features, as_tuple=True)
+        if not self.layers:
+            return _model_output(features, as_tuple=True)
+        deep = [tuple(f[1 + layer] for f in features) for layer in range(self.layers)]
+        return self.output_type(pooler_output=tuple(f[0] for f in features), deepstack_features=deep)
 
 
 class LearnedAdapter:
