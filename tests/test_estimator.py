@@ -333,3 +333,20 @@ def test_known_configs_and_13b():
     assert est.component("language_model").params == pytest.approx(13.0e9, rel=0.01)
     assert math.isclose(est.component("vision_tower").params, 303_507_456)
     assert est.component("projector").params == 1024 * 5120 + 5120 + 5120 * 5120 + 5120
+
+
+def test_lora_gets_gradients_and_optimizer_states_for_the_adapters_only():
+    """--lora-r 8 on LLaVA-1.5-7B (meta device): ~20M trainable, and the language model's gradient and AdamW bytes
+    shrink by over 100x; the frozen base keeps its bf16 weights."""
+    pytest.importorskip("peft")
+    from vlmfast.memory.known_models import estimate_from_hf_config
+
+    full = estimate_from_hf_config("llava-1.5-7b", micro_batch_size=1, seq_len=1024, gpu_memory_gb=24)
+    lora = estimate_from_hf_config("llava-1.5-7b", micro_batch_size=1, seq_len=1024, gpu_memory_gb=24, lora_r=8)
+    by_name = {c.name: c for c in lora.components}
+    assert 15e6 < lora.trainable_params < 30e6 and by_name["vision_tower"].trainable == 0
+    full_lm = next(c for c in full.components if c.name == "language_model")
+    lm = by_name["language_model"]
+    assert (lm.grads + lm.optimizer) * 100 < full_lm.grads + full_lm.optimizer
+    assert lm.weights >= full_lm.weights  # the base stays, the adapters add a little
+    assert not full.fits() and lora.model_state_bytes < full.model_state_bytes / 2

@@ -49,6 +49,11 @@ def add_estimate_memory_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="micro-batches by tokens: rows = N // seq-len (the longest sample)")
     p.add_argument("--freeze", action="append", default=[], metavar="MODULE",
                    help="freeze a component or module path, e.g. --freeze vision_tower (repeatable)")
+    p.add_argument("--lora-r", type=int, default=None, metavar="R",
+                   help="LoRA adapters of rank R (lora section, all-linear): only they get gradients and optimizer "
+                        "states")
+    p.add_argument("--lora-towers", nargs="+", choices=("language", "vision"), default=["language"],
+                   help="where the adapters go (default: the language model)")
     p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                    help="sdpa: fused kernels (no L x L scores); eager: scores materialised per layer")
     p.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GiB (default 80)")
@@ -72,6 +77,7 @@ def run_estimate_memory(args: argparse.Namespace) -> int:
         activation_checkpointing=args.checkpointing, frozen=args.freeze, gpu_memory_gb=args.gpu_gb,
         master_weights=args.master_weights, checkpoint_budget_gb=args.checkpoint_budget_gb,
         linear_cross_entropy=args.linear_cross_entropy, micro_batch_tokens=args.micro_batch_tokens,
+        lora_r=args.lora_r, lora_towers=tuple(args.lora_towers),
     )
     print(est.to_table())
     if args.vision_cache:

@@ -324,7 +324,8 @@ def estimate_memory(
     if probe is not None and not callable(probe):
         probe = _batch_probe(model, probe)
     if probe is None and _cheap_to_probe(model):
-        probe, is_default = default_activation_probe(model), True
+        base = model.get_base_model() if hasattr(model, "peft_config") else model  # LoRA: the adapted model runs
+        probe, is_default = default_activation_probe(base), True
     ctx = _Context(model, assign_components(model, components), components, probe, is_default, gpu_memory_gb,
                    _largest_layer_params(model))
     return _estimate(ctx, opts)

@@ -88,13 +88,20 @@ def build_estimate_model(config: Any, *, attention: str = "sdpa") -> nn.Module:
         return auto.from_config(cfg, attn_implementation=impl)
 
 
-def estimate_from_hf_config(config: Any, *, attention: str = "sdpa", **kwargs: Any) -> MemoryEstimate:
+def estimate_from_hf_config(config: Any, *, attention: str = "sdpa", lora_r: int | None = None,
+                            lora_towers: tuple[str, ...] = ("language",), **kwargs: Any) -> MemoryEstimate:
     """``estimate_memory`` for a model built from a config on the meta device (nothing downloaded or allocated).
 
     Usage: ``estimate_from_hf_config("llava-1.5-7b", micro_batch_size=4, gpu_memory_gb=24).to_table()``
 
     ``config``: a name in ``KNOWN_CONFIGS``, 'tiny-vlm', a Hugging Face config object or dict, or a config.json
-    path; ``kwargs`` go to :func:`estimate_memory`.
+    path; ``lora_r``: LoRA adapters of this rank on ``lora_towers`` (the ``lora`` section's all-linear: only the
+    adapters get gradients and optimizer states); ``kwargs`` go to :func:`estimate_memory`.
     """
-    return estimate_memory(build_estimate_model(config, attention=attention), **kwargs)
+    model = build_estimate_model(config, attention=attention)
+    if lora_r is not None:
+        from vlmfast.strategies.lora import LoRASpec, apply_lora
+
+        model = apply_lora(model, LoRASpec(enabled=True, r=lora_r, towers=list(lora_towers)))
+    return estimate_memory(model, **kwargs)
 
