@@ -67,15 +67,22 @@ def build_spec(config: str | None, overrides: list[str], builtin_task: bool = Fa
     data = TrainSpec.from_file(config).to_dict() if config else json.loads(json.dumps(DEMO_SPEC))
     if builtin_task and not config:
         data.update(json.loads(json.dumps(DEMO_TASK_SPEC)))
+    apply_overrides(data, overrides)
+    try:
+        return TrainSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"invalid spec\n{format_validation_error(exc)}") from exc
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> None:
+    """Apply ``--set KEY=VALUE`` items (dotted keys, YAML values) to a spec dict, in place."""
+    from vlmfast.sections import SpecError
+
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
             raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. --set precision=bf16")
         _set_dotted(data, key.strip(), yaml.safe_load(raw))
-    try:
-        return TrainSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(f"invalid spec\n{format_validation_error(exc)}") from exc
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

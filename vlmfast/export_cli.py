@@ -74,20 +74,15 @@ def checkpoint_folder(checkpoint: str | Path) -> Path:
 
 def export_spec(saved: dict[str, Any], overrides: list[str]) -> Any:
     """The checkpoint's saved spec with :data:`EXPORT_OVERRIDES`, then the --set overrides; validated."""
-    import yaml
     from pydantic import ValidationError
 
-    from vlmfast.cli_jobs import _set_dotted
+    from vlmfast.cli_jobs import _set_dotted, apply_overrides
     from vlmfast.spec import SpecError, TrainSpec, format_validation_error
 
     data = json.loads(json.dumps(saved, default=str))  # a deep copy of plain values
     for key, value in EXPORT_OVERRIDES.items():
         _set_dotted(data, key, json.loads(json.dumps(value)))
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. --set device=cpu")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    apply_overrides(data, overrides)
     try:
         return TrainSpec.model_validate(data)
     except ValidationError as exc:

@@ -142,7 +142,7 @@ class GradientAccumulation(Strategy):
         self.model: nn.Module | None = None
         self.layout: BatchLayout | None = None
         self.conventions: LabelConventions | None = None
-        self.warned_padded_labels = False  # loss tokens on padding: said once
+        self.padding_checked = False  # loss tokens on padding: looked for in the first batch
 
     def apply(self, model: nn.Module) -> nn.Module:
         # Measured, not guessed: on the first batch's first micro-batch (vlmfast.models.conventions), see plan().
@@ -195,7 +195,8 @@ class GradientAccumulation(Strategy):
         self.resolve_conventions(micro_batches)
         counted = host_micro_batches(batch, micro_batch_size, self.layout, host, keys=(self.label_key, "shift_labels"))
         token_counts = [self._count_tokens(mb) for mb in counted or micro_batches]  # the same split, on the host
-        if not self.warned_padded_labels:
+        if not self.padding_checked:  # the first batch tells: collate_fn labels every batch alike
+            self.padding_checked = True
             self._warn_labels_on_padding(counted or micro_batches)
         countable = all(n is not None for n in token_counts)
         weighting = self.resolved_weighting = self._resolve_weighting(countable)
@@ -230,14 +231,12 @@ class GradientAccumulation(Strategy):
                 if self.shift_labels is True and labels.dim() == 2:  # the target at t is predicted at t - 1
                     predicted += int(((mask[:, :-1] == 0) & (mask[:, 1:] != 0) & target[:, 1:]).sum())
         if predicted and not labelled:
-            self.warned_padded_labels = True
             log.warning("%d loss token(s) are predicted from padding: with left padding, the first real token of a "
                         "row is a target its pad predecessor predicts, so the loss depends on how much padding the "
                         "row got (and on the micro-batch split). Set %s to %d at each row's first real token (real "
                         "templates start with a BOS or system token, never a target)",
                         predicted, self.label_key, self.ignore_index)
         if labelled:
-            self.warned_padded_labels = True
             log.warning("%d loss token(s) sit on padding (attention_mask 0, %s not %d): the model trains on padding, "
                         "and the loss depends on the micro-batch split (a micro-batch collated from its samples is "
                         "padded to its own longest one). Set %s to %d wherever attention_mask is 0 in your dataset "

@@ -29,31 +29,34 @@ class ComputeClock:
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._start: float | torch.cuda.Event | None = None
-        self._last: float | torch.cuda.Event | None = None
+        # Two events recorded again each step (a hook fires per parameter: no allocation there)
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if self.cuda else None
+        self._start = self._last = 0.0
+        self._seen = False  # a gradient was accumulated since start()
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready)
                          for p in model.parameters() if p.requires_grad]
 
-    def _now(self) -> float | torch.cuda.Event:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
+    def _mark(self, index: int) -> float:
+        if self._events is not None:
+            self._events[index].record()
+            return 0.0
         return time.perf_counter()
 
     def _grad_ready(self, _param: torch.Tensor) -> None:
-        self._last = self._now()
+        self._last, self._seen = self._mark(1), True
 
     def start(self) -> None:
-        self._start, self._last = self._now(), None
+        self._start, self._seen = self._mark(0), False
 
     def seconds(self) -> float:
         """Seconds from :meth:`start` to the last gradient accumulated since (to now, when none was)."""
-        end = self._last if self._last is not None else self._now()
-        if self.cuda:
-            end.synchronize()  # type: ignore[union-attr]
-            return self._start.elapsed_time(end) / 1000.0  # type: ignore[union-attr]
-        return float(end) - float(self._start)  # type: ignore[arg-type]
+        if not self._seen:
+            self._last = self._mark(1)
+        if self._events is not None:
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1]) / 1000.0
+        return self._last - self._start
 
     def remove(self) -> None:
         for handle in self._handles:
