@@ -27,7 +27,7 @@ from _common import median, write_result
 from torch import nn
 
 from vlmfast import OptimizedTrainer, TrainSpec, run_checkpoints
-from vlmfast.checkpoint import list_checkpoints
+from vlmfast.checkpoints.store import list_checkpoints
 
 
 class Stack(nn.Module):

@@ -26,8 +26,8 @@ from _common import median, write_result
 
 import vlmfast.attention
 from vlmfast.attention.backends import BACKENDS, AttentionInputs
+from vlmfast.common.utils import resolve_device
 from vlmfast.strategies.activation_checkpointing import saved_tensor_bytes
-from vlmfast.utils import resolve_device
 
 # name -> (vlmfast backend, SDPA kernel restriction)
 VARIANTS = {

@@ -21,10 +21,10 @@ import time
 import torch
 from _common import median, write_result
 
+from vlmfast.common.utils import resolve_device
 from vlmfast.data.batch import move_to_device
 from vlmfast.models import build_tiny_vlm_task
 from vlmfast.strategies.compile import compile_model
-from vlmfast.utils import resolve_device
 
 
 class Variant:

@@ -34,10 +34,10 @@ from _common import median, write_result
 from torch.utils.data import Dataset
 
 from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.common.utils import resolve_device
 from vlmfast.data.prefetch import device_batches
 from vlmfast.data.shards import CaptionTokens, ShardDataset, decode_image, write_shards
 from vlmfast.models import ShapesCaptionDataset, ShapesTokenizer, TinyVLM, VLMCollator
-from vlmfast.utils import resolve_device
 
 
 class ImageFileDataset(Dataset):

@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, write_result
 
-from vlmfast.utils import resolve_device
+from vlmfast.common.utils import resolve_device
 
 # standard: the model's own head + loss; chunked: recompute in backward (the default); chunked_in_forward: the
 # gradients computed in forward and kept (recompute: false, Liger's way).

@@ -21,11 +21,11 @@ import time
 import torch
 from _common import median, write_result
 
+from vlmfast.common.utils import resolve_device
 from vlmfast.data.batch import move_to_device
 from vlmfast.models import TinyVLM, TinyVLMConfig, build_tiny_vlm_task
 from vlmfast.profiling import RunProfiler, analytic_flops
 from vlmfast.spec import ProfileSpec
-from vlmfast.utils import resolve_device
 
 SIZES = {
     "tiny": {},  # the default TinyVLMConfig

@@ -21,8 +21,8 @@ from _common import median, write_result
 from torch.utils.data import DataLoader
 
 from vlmfast import Callback, OptimizedTrainer, TrainSpec
+from vlmfast.common.utils import resolve_device
 from vlmfast.models import build_tiny_vlm_task
-from vlmfast.utils import resolve_device
 
 
 def hand_written(model, dataset, collate, args, device) -> list[float]:

@@ -21,9 +21,9 @@ import time
 import torch
 from _common import median, write_result
 
+from vlmfast.common.utils import resolve_device
 from vlmfast.data.packing import PackingCollator, count_packed_tokens
 from vlmfast.models import TinyVLM, TinyVLMConfig, VLMCollator
-from vlmfast.utils import resolve_device
 
 
 def skewed_samples(n: int, max_len: int, vocab: int, seed: int) -> list[dict]:

@@ -25,7 +25,7 @@ import torch
 from _common import median, write_result
 
 from vlmfast import Callback, OptimizedTrainer, TrainSpec
-from vlmfast.cli_jobs import DEMO_SPEC, DEMO_TASK_SPEC
+from vlmfast.cli.jobs import DEMO_SPEC, DEMO_TASK_SPEC
 from vlmfast.models import build_tiny_vlm_task
 
 OFF = {"profile": {"timing": False, "mfu": False}, "memory": {"leak_check": False}}

@@ -23,9 +23,9 @@ import torch
 from _common import write_result
 
 from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.common.utils import resolve_device
 from vlmfast.models import build_tiny_vlm_task
 from vlmfast.testing import count_host_syncs
-from vlmfast.utils import resolve_device
 
 CONFIGS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (spec overrides, budget per step)
     "default": ({"grad_clip": 1.0}, 1),

@@ -22,8 +22,8 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from vlmfast.engines.foreign_loops import warn_if_launched_alone
 from vlmfast.hooks import OOMFallback, accumulate_gradients, register_comm_hook
-from vlmfast.integrations import warn_if_launched_alone
 from vlmfast.models import build_tiny_vlm_task
 from vlmfast.spec import OOMSpec
 

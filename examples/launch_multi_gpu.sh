@@ -41,4 +41,4 @@ else
 fi
 
 exec "$PYTHON" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" \
-  -m vlmfast.cli train "${args[@]}"
+  -m vlmfast.cli.main train "${args[@]}"

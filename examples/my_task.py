@@ -35,7 +35,7 @@ def build(seed: int = 0, num_samples: int = 4096) -> tuple[TinyVLM, ShapesWithLe
 
 def main(steps: int = 5, config: str | None = None) -> int:
     """Run `vlmfast train CONFIG --task my_task:build` in this process for `steps` steps; returns its exit code."""
-    from vlmfast.cli import main as vlmfast
+    from vlmfast.cli.main import main as vlmfast
 
     here = str(Path(__file__).resolve().parent)
     if here not in sys.path:

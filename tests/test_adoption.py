@@ -25,9 +25,9 @@ def test_a_warm_up_longer_than_the_run_is_clamped_with_a_note(caplog: pytest.Log
 
 def test_launch_warning_when_accelerate_launch_started_one_process(monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    from vlmfast import integrations
+    from vlmfast.engines import foreign_loops as integrations
+    from vlmfast.engines.foreign_loops import launch_warning
     from vlmfast.engines.process_group import init_distributed
-    from vlmfast.integrations import launch_warning
 
     monkeypatch.setattr(integrations, "_warned", set())  # warned once per process: start from none
 
@@ -48,7 +48,7 @@ def test_launch_warning_when_accelerate_launch_started_one_process(monkeypatch: 
         monkeypatch.delenv(key, raising=False)
     for key, value in simple.items():
         monkeypatch.setenv(key, value)
-    with caplog.at_level(logging.WARNING, logger="vlmfast.integrations"):
+    with caplog.at_level(logging.WARNING, logger="vlmfast.engines.foreign_loops"):
         assert init_distributed().world_size == 1  # the trainer's first call
     assert "started only this one" in caplog.text
 
@@ -107,7 +107,7 @@ def cnn_task(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_task_may_return_a_loss_fn_and_batchnorm_is_warned_about_once(cnn_task, caplog, monkeypatch) -> None:
-    from vlmfast.cli import main as vlmfast
+    from vlmfast.cli.main import main as vlmfast
     from vlmfast.strategies import accumulation
 
     monkeypatch.setattr(accumulation, "_BATCHNORM_WARNED", [])
@@ -132,7 +132,7 @@ def test_task_may_return_a_loss_fn_and_batchnorm_is_warned_about_once(cnn_task, 
 def test_task_returning_the_wrong_shape_names_what_it_returned(cnn_task, capsys, function, message) -> None:
     import re
 
-    from vlmfast.cli import main as vlmfast
+    from vlmfast.cli.main import main as vlmfast
 
     assert vlmfast(["train", "--task", f"{cnn_task}:{function}"]) == 2
     error = capsys.readouterr().err
@@ -222,8 +222,8 @@ def test_a_slow_silent_wait_gets_a_message_and_a_quick_one_none(caplog) -> None:
     """What DeepSpeed's first start (compiling its ops for minutes) now says; the engine wraps initialize in it."""
     import time
 
+    from vlmfast.common.utils import notice_if_slow
     from vlmfast.engines import deepspeed as ds_engine
-    from vlmfast.utils import notice_if_slow
 
     with caplog.at_level(logging.WARNING, logger="vlmfast"):
         with notice_if_slow("still building", after_s=0.05):
@@ -238,7 +238,7 @@ def test_deepspeeds_deprecated_collective_warnings_are_filtered() -> None:
     import warnings
 
     from vlmfast.engines import deepspeed as ds_engine
-    from vlmfast.integrations import filter_deepspeed_warnings
+    from vlmfast.engines.foreign_loops import filter_deepspeed_warnings
 
     message = ("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
                "`torch.distributed.reduce_scatter_single` instead.")

@@ -104,6 +104,17 @@ def test_the_loop_and_the_checkpoint_glue_never_ask_which_engine_runs():
         assert not engine_branches(PACKAGE / relative), (relative, engine_branches(PACKAGE / relative))
 
 
+def test_only_engines_the_spec_and_the_estimator_ask_which_engine_runs():
+    """Everything else asks a capability (``engine_traits(spec, world_size)``, ``engine.shards_parameters``, ...)."""
+    allowed = ("engines/", "spec.py", "memory/")  # the spec validates it; the estimator models engines before any runs
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith(allowed):
+            continue
+        branches = [b for b in engine_branches(path) if "the string" not in b and "backend" not in b]
+        assert not branches, (relative, branches)
+
+
 def test_the_engine_check_catches_a_branch(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f(self):\n    if self.engine.name == 'deepspeed':\n        pass\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmfast.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from vlmfast.checkpoints.store import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
 
 def test_keep_last_prunes_the_oldest(tmp_path):

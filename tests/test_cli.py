@@ -6,8 +6,8 @@ import json
 
 import yaml
 
-from vlmfast.cli import main
-from vlmfast.cli_jobs import build_spec
+from vlmfast.cli.jobs import build_spec
+from vlmfast.cli.main import main
 from vlmfast.spec import TrainSpec
 
 
@@ -72,10 +72,10 @@ def _modules_loaded_after(code: str) -> list[str]:
 
 def test_help_imports_neither_torch_nor_the_trainer():
     """`vlmfast --help` and `vlmfast train --help` answer at once: parsing imports no torch (issue 29)."""
-    code = ("import contextlib, io\nimport vlmfast.cli\n"
+    code = ("import contextlib, io\nimport vlmfast.cli.main\n"
             "for argv in (['--help'], ['train', '--help'], ['find-batch-size', '--help'], ['spec', '--help']):\n"
             "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
-            "        vlmfast.cli.main(argv)\n"
+            "        vlmfast.cli.main.main(argv)\n"
             "    assert 'usage: vlmfast' in out.getvalue(), argv")
     assert _modules_loaded_after(code) == []
 
@@ -91,7 +91,7 @@ def test_importing_the_package_is_lazy_and_its_names_still_resolve():
 
 def test_every_lazily_registered_command_lists_the_help_its_registrar_gives():
     """`vlmfast --help` lists the modules' sub-commands without importing them: the help must be theirs."""
-    from vlmfast.cli import LAZY_COMMANDS, _parser
+    from vlmfast.cli.main import LAZY_COMMANDS, _parser
 
     full = {a.dest: a.help for a in _parser()._subparsers._group_actions[0]._choices_actions}
     listed = {a.dest: a.help for a in _parser(["--help"])._subparsers._group_actions[0]._choices_actions}
@@ -158,13 +158,13 @@ def test_a_model_without_a_loss_is_one_line_naming_loss_fn_and_the_task(tmp_path
 def test_an_interrupted_run_without_save_dir_does_not_print_checkpoint_none(monkeypatch, capsys):
     from types import SimpleNamespace
 
-    import vlmfast.cli
+    import vlmfast.cli.main
 
     for save_dir, checkpoint, said in ((None, None, "no checkpoint written (no save.dir)"),
                                        ("ckpt", "ckpt/step_00000002", "checkpoint: ckpt/step_00000002")):
         trainer = SimpleNamespace(is_main_process=True, spec=TrainSpec(save={"dir": save_dir}),
                                   fit=lambda c=checkpoint: SimpleNamespace(interrupted="SIGTERM", checkpoint=c))
-        monkeypatch.setattr(vlmfast.cli, "_build_trainer", lambda args, t=trainer: (t, None))
+        monkeypatch.setattr(vlmfast.cli.main, "_build_trainer", lambda args, t=trainer: (t, None))
         assert main(["train"]) == 130
         err = capsys.readouterr().err
         assert f"interrupted by SIGTERM; {said}" in err and "None" not in err, err

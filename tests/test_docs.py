@@ -130,7 +130,7 @@ def test_misspelt_key_error_is_the_one_the_quick_start_shows(tmp_path: Path, mon
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """quickstart.md's ``text`` block of ``vlmfast spec --check run.yaml`` on ``learning_rate`` is real output (and
     ways-in.md's "unknown keys name the closest valid one")."""
-    from vlmfast.cli import main as vlmfast
+    from vlmfast.cli.main import main as vlmfast
 
     monkeypatch.chdir(tmp_path)
     Path("run.yaml").write_text("optimizer:\n  learning_rate: 1.0e-3\n")

@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from vlmfast.cli_jobs import build_spec
+from vlmfast.cli.jobs import build_spec
 from vlmfast.spec import TrainSpec
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vlmfast"

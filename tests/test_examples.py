@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from vlmfast import OptimizedTrainer
-from vlmfast.cli import main as vlmfast
+from vlmfast.cli.main import main as vlmfast
 from vlmfast.spec import TrainSpec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -194,7 +194,7 @@ def test_sharded_config_trains_through_the_cli_without_a_launcher(name: str) -> 
     # A fresh process, as a user runs it: a process group left by an earlier test would not be this run's.
     if name.startswith("zero"):
         pytest.importorskip("deepspeed")
-    command = [sys.executable, "-m", "vlmfast.cli", "train", str(EXAMPLES / "configs" / f"{name}.yaml"), *TINY]
+    command = [sys.executable, "-m", "vlmfast.cli.main", "train", str(EXAMPLES / "configs" / f"{name}.yaml"), *TINY]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 

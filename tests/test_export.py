@@ -20,8 +20,8 @@ from conftest import LlavaDataset, TinyCausalLM, TokenDataset, tiny_llava
 from safetensors.torch import load_file
 
 from vlmfast import Callback, OptimizedTrainer, SpecError, TrainSpec
-from vlmfast.checkpoint import load_checkpoint
-from vlmfast.cli import main
+from vlmfast.checkpoints.store import load_checkpoint
+from vlmfast.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOLERANCE = 1e-5

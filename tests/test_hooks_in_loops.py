@@ -65,8 +65,8 @@ def _all_loops_worker() -> dict[str, dict]:
 
 def _loop_worker(kind: str) -> dict:
     from vlmfast.engines.comm_hooks import count_bytes
+    from vlmfast.engines.foreign_loops import find_ddp
     from vlmfast.hooks import OOMFallback, accumulate_gradients
-    from vlmfast.integrations import find_ddp
     from vlmfast.spec import OOMSpec
     from vlmfast.testing import simulated_oom
 

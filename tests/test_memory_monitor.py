@@ -174,7 +174,7 @@ def test_record_history_and_snapshot_call_the_cuda_allocator(monkeypatch, tmp_pa
     monitor.start()
     assert monitor.dump_snapshot() == tmp_path / "memory_snapshot.pickle"
     monitor.finish()
-    # torch writes by name into a private folder (vlmfast.safe_files.library_output), then it is moved into place
+    # torch writes by name into a private folder (vlmfast.common.safe_files.library_output), then it is moved into place
     assert calls == [("record", {"max_entries": 100_000, "device": torch.device("cuda:0")}),
                      ("dump", "memory_snapshot.pickle"), ("record", {"enabled": None})]
     assert (tmp_path / "memory_snapshot.pickle").read_bytes() == b"snapshot"

@@ -3,7 +3,7 @@
 Commands are collected from fenced bash blocks of README.md and docs/*.md, the docstrings of examples/*.py and the
 comment lines of examples/*.sh and examples/configs/*.yaml. Each one is, by the first rule of RULES it matches:
 
-- "run": run in this process (``vlmfast ...`` through ``vlmfast.cli.main``, ``python examples/X.py`` through runpy),
+- "run": run in this process (``vlmfast ...`` through ``vlmfast.cli.main.main``, ``python examples/X.py`` by runpy),
   with at most MAX_STEPS optimizer steps and 64 generated samples for the built-in task;
 - "launch": run as printed in a fresh process group of 2 CPU processes (the launcher's process count cut to 2);
 - "check": parsed by vlmfast's own argument parser and its spec validated, files named must exist; the reason says
@@ -273,7 +273,7 @@ def script_budget(args: list[str]) -> list[str]:
 
 
 def _run_in_process(command: Printed, monkeypatch: pytest.MonkeyPatch) -> int:
-    from vlmfast.cli import main as vlmfast
+    from vlmfast.cli.main import main as vlmfast
 
     env, words = _env_and_words(command)
     for key, value in env.items():
@@ -345,8 +345,8 @@ def _launch_words(command: Printed) -> tuple[dict[str, str], list[str]]:
     env.update(MASTER_PORT=port, PET_MASTER_PORT=port)  # bash script and Fabric read the first, torchrun the second
     if words[0] == "accelerate":
         rest = ["--main_process_port", port, *rest]
-    if "vlmfast.cli" in rest:  # -m vlmfast.cli ARGS
-        at = rest.index("vlmfast.cli") + 1
+    if "vlmfast.cli.main" in rest:  # -m vlmfast.cli.main ARGS
+        at = rest.index("vlmfast.cli.main") + 1
         rest = rest[:at] + vlmfast_budget(rest[at:])
     elif words[0] == "bash":
         rest = [*rest, "--samples", "64", "--set", "log.progress=off", "--steps", str(SMALL_STEPS)]
@@ -378,8 +378,8 @@ def test_launched_commands_start_two_processes_and_train(workdir: Path) -> None:
 def test_checked_command_parses_and_its_spec_is_valid(command: Printed, in_workdir: Path) -> None:
     """Commands run elsewhere (see their reason): vlmfast's parser accepts the arguments, the spec they name is valid
     and every file they name exists."""
-    from vlmfast.cli import _parser
-    from vlmfast.cli_jobs import build_spec
+    from vlmfast.cli.jobs import build_spec
+    from vlmfast.cli.main import _parser
 
     _, words = _env_and_words(command)
     for word in words:
@@ -388,8 +388,8 @@ def test_checked_command_parses_and_its_spec_is_valid(command: Printed, in_workd
     if words[0].startswith("python") and words[1].endswith(".py"):  # the script's parser knows every flag printed
         source = Path(words[1]).read_text()
         assert all(f'"{flag}"' in source for flag in words[2:] if flag.startswith("--")), command.id
-    if "vlmfast.cli" in words or words[0] == "vlmfast" or "launch_multi_gpu.sh" in " ".join(words):
-        at = words.index("vlmfast.cli") + 1 if "vlmfast.cli" in words else 1
+    if "vlmfast.cli.main" in words or words[0] == "vlmfast" or "launch_multi_gpu.sh" in " ".join(words):
+        at = words.index("vlmfast.cli.main") + 1 if "vlmfast.cli.main" in words else 1
         args = words[at:]
         if "launch_multi_gpu.sh" in " ".join(words):  # its own --steps N is --set max_steps=N
             args = ["train", *" ".join(args[1:]).replace("--steps ", "--set max_steps=").split()]

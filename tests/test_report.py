@@ -13,7 +13,7 @@ from conftest import TinyCausalLM, token_batch
 
 from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.profiling import RunProfiler
-from vlmfast.reporting import STEP_TIME_DEFINITION, RunReport
+from vlmfast.reporting.report import STEP_TIME_DEFINITION, RunReport
 from vlmfast.spec import MemorySpec, ProfileSpec
 
 CPU = torch.device("cpu")

@@ -134,7 +134,7 @@ def test_on_interrupt_false_leaves_signals_to_python(tmp_path):
 
 
 def test_enable_tf32_sets_the_backend_flags():
-    from vlmfast.tf32 import restore_tf32_state, tf32_state
+    from vlmfast.common.tf32 import restore_tf32_state, tf32_state
 
     # Through torch's new API only: once it is used, reading the legacy allow_tf32 flags raises (see vlmfast/tf32).
     before = tf32_state()

@@ -204,7 +204,7 @@ def test_a_training_tower_or_a_sharded_engine_is_refused_naming_the_field(tmp_pa
         cache_vision_features(model, tmp_path)
     for engine in ({"engine": "fsdp"}, {"engine": "deepspeed", "deepspeed": {"zero_stage": 3}}):
         spec = TrainSpec(vision_cache={"enabled": True}, **engine)
-        with pytest.raises(ValueError, match=r"vision_cache\.enabled does not work with engine"):
+        with pytest.raises(ValueError, match=r"vision_cache\.enabled does not work with an engine that shards"):
             build_strategies(spec, BuildContext(torch.device("cpu")))
     with pytest.raises(ValueError, match="unknown key 'max_gib' in section 'vision_cache'; did you mean 'max_gb'"):
         TrainSpec(vision_cache={"enabled": True, "max_gib": 2})

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below load on first use (PEP 562): `import vlmfast` (and the CLI) stays torch-free
     import vlmfast.attention as attention  # callable: vlmfast.attention(q, k, v, ...) dispatches to the backend
-    from vlmfast.callbacks import Callback
     from vlmfast.spec import SpecError, TrainSpec
     from vlmfast.strategies.nonfinite import NonFiniteLossError
+    from vlmfast.train.callbacks import Callback
     from vlmfast.train.loop import DataLoaderTimeoutError, OptimizedTrainer  # the data package loads via train
     from vlmfast.train.state import FitResult, TrainState
 
@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 # public name -> (module, attribute in it; None: the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
     "attention": ("vlmfast.attention", None),
-    "Callback": ("vlmfast.callbacks", "Callback"),
+    "Callback": ("vlmfast.train.callbacks", "Callback"),
     "DataLoaderTimeoutError": ("vlmfast.train.loop", "DataLoaderTimeoutError"),
     "FitResult": ("vlmfast.train.state", "FitResult"),
     "NonFiniteLossError": ("vlmfast.strategies.nonfinite", "NonFiniteLossError"),

@@ -16,7 +16,7 @@ from vlmfast.attention import (
     trace_attention_kernels,
     use_attention_backend,
 )
-from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmfast.checkpoints.store import latest_checkpoint, load_checkpoint, save_checkpoint
 from vlmfast.data.autotune import autotune_num_workers
 from vlmfast.data.batch import move_to_device, split_batch
 from vlmfast.data.batch_layout import BatchLayout, BatchSplitError, split_collated
@@ -40,10 +40,10 @@ from vlmfast.data.shards import ShardDataset, write_shards
 from vlmfast.engines import init_distributed, register_comm_hook, wrap_ddp
 from vlmfast.engines.collectives import all_reduce_gradients
 from vlmfast.engines.deepspeed import build_deepspeed_config
+from vlmfast.engines.foreign_loops import find_ddp, launch_warning
 from vlmfast.engines.fsdp import full_state_dict, load_full_state_dict, shard_model
 from vlmfast.features import FeatureStore, KeyedCollate, check_deterministic
 from vlmfast.features.cache import FeatureCache
-from vlmfast.integrations import find_ddp, launch_warning
 from vlmfast.memory.advice import memory_summary, oom_advice
 from vlmfast.memory.batch_size import find_max_micro_batch_size
 from vlmfast.memory.stats import memory_stats, peak_memory_gb

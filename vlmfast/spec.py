@@ -22,12 +22,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from vlmfast.sections import Section, SpecError, set_root
+from vlmfast.common.sections import Section, SpecError, set_root
+from vlmfast.reporting.tracking import MLflowSpec, WandbSpec
 from vlmfast.strategies.ema import EMASpec
 from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropySpec
 from vlmfast.strategies.lora import LoRASpec
 from vlmfast.strategies.vision_cache import VisionCacheSpec
-from vlmfast.tracking import MLflowSpec, WandbSpec
 
 log = logging.getLogger(__name__)
 
@@ -727,9 +727,9 @@ def check_environment(spec: TrainSpec) -> None:
     save.export.dir, log.dir or tracker store that cannot be written, a tracker's package missing)."""
     import torch
 
-    from vlmfast.save_dir import check_output_dirs
-    from vlmfast.tracking import check_trackers
-    from vlmfast.utils import resolve_device
+    from vlmfast.checkpoints.save_dir import check_output_dirs
+    from vlmfast.common.utils import resolve_device
+    from vlmfast.reporting.tracking import check_trackers
 
     check_output_dirs(spec)
     device = resolve_device(spec.device)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from _faults import losses, make_spec, train
 
-from vlmfast.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, verify_checkpoint
-from vlmfast.checkpoint_async import AsyncCheckpointer, snapshot_to_host
+from vlmfast.checkpoints.async_save import AsyncCheckpointer, snapshot_to_host
+from vlmfast.checkpoints.store import latest_checkpoint, list_checkpoints, load_checkpoint, verify_checkpoint
 
 
 def test_the_snapshot_shares_nothing_with_the_live_state_and_keeps_ties():
@@ -74,7 +74,7 @@ def test_a_failed_async_save_is_raised_by_poll_and_leaves_nothing_visible(tmp_pa
     deadline = time.monotonic() + 30
     while checkpointer.in_flight and time.monotonic() < deadline:
         time.sleep(0.01)
-    from vlmfast.checkpoint import CheckpointWriteError
+    from vlmfast.checkpoints.store import CheckpointWriteError
 
     with pytest.raises(CheckpointWriteError, match="cannot write checkpoint step_00000002"):
         checkpointer.poll()
@@ -100,8 +100,7 @@ def test_async_training_saves_the_same_checkpoints_and_resumes_exactly(tmp_path)
 
 
 def test_the_first_save_copies_into_buffers_prepared_in_the_background(tmp_path, monkeypatch):
-    from vlmfast import checkpoint_async
-
+    from vlmfast.checkpoints import async_save as checkpoint_async
     fresh = []  # per tensor of the first save: (allocated on the spot)
     real = checkpoint_async._host_copy
     monkeypatch.setattr(checkpoint_async, "_host_copy", lambda tensor, devices, target: fresh.append(

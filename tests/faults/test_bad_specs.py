@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 import vlmfast
 from vlmfast import NonFiniteLossError, OptimizedTrainer
 from vlmfast.attention.dispatch import AttentionBackendError
-from vlmfast.checkpoint import CorruptCheckpointError
+from vlmfast.checkpoints.store import CorruptCheckpointError
 from vlmfast.data.bad_samples import BadSampleError, TooManyBadSamplesError
 from vlmfast.engines.process_group import RankFailureError
 from vlmfast.models import ShapesCaptionDataset, TinyVLM, TinyVLMConfig, VLMCollator

@@ -17,7 +17,7 @@ import torch
 from _faults import losses, make_spec, params_of, train
 
 from vlmfast import SpecError
-from vlmfast.checkpoint import (
+from vlmfast.checkpoints.store import (
     CorruptCheckpointError,
     latest_verified_checkpoint,
     list_checkpoints,
@@ -83,7 +83,7 @@ def test_flipped_bytes_in_any_file_are_detected_and_resume_falls_back(three_chec
         (newest / name).write_bytes(bytes(data))
     else:
         _flip(newest / name, where)
-    with caplog.at_level(logging.WARNING, logger="vlmfast.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="vlmfast.checkpoints.store"):
         found = latest_verified_checkpoint(tmp_path / "run")
     assert found.name == "step_00000004"
     assert f"step_00000006/{name}" in caplog.text and "falling back" in caplog.text
@@ -122,7 +122,7 @@ def test_a_rewritten_manifest_is_no_way_around_the_weights_only_load(tmp_path):
     marker = tmp_path / "ran"
     torch.save(_RunsCode(str(marker)), folder / "state.pt")
     manifest = json.loads((folder / "manifest.json").read_text())
-    from vlmfast.checkpoint import write_manifest
+    from vlmfast.checkpoints.store import write_manifest
 
     write_manifest(folder, manifest["step"])  # a consistent manifest for the crafted file
     verify_checkpoint(folder)
@@ -152,8 +152,7 @@ def test_when_no_checkpoint_verifies_nothing_is_resumed_or_deleted(three_checkpo
 
 def test_verification_is_not_repeated_for_an_unchanged_folder(tmp_path, monkeypatch):
     save_checkpoint(tmp_path, 1, {"w": torch.ones(4)})
-    from vlmfast import checkpoint
-
+    from vlmfast.checkpoints import store as checkpoint
     calls = []
     real = checkpoint._sha256
     monkeypatch.setattr(checkpoint, "_sha256", lambda path, fsync=False: calls.append(path) or real(path, fsync))

@@ -14,7 +14,7 @@ from conftest import TokenDataset
 from PIL import Image
 
 from vlmfast import OptimizedTrainer, SpecError
-from vlmfast.checkpoint import latest_checkpoint, load_checkpoint
+from vlmfast.checkpoints.store import latest_checkpoint, load_checkpoint
 from vlmfast.data.fingerprint import data_fingerprint, fingerprint_changes
 
 

@@ -39,7 +39,7 @@ def _worker(rank: int, root: str, out: str) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     from vlmfast import OptimizedTrainer, SpecError
-    from vlmfast.checkpoint import write_manifest
+    from vlmfast.checkpoints.store import write_manifest
 
     root_path = Path(root)
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from _faults import losses, make_spec, params_of, train
 from conftest import TinyCausalLM
 
 from vlmfast import SpecError
-from vlmfast.checkpoint import (
+from vlmfast.checkpoints.store import (
     CorruptCheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -34,7 +34,7 @@ TESTS = Path(__file__).resolve().parents[1]
 def test_sigkill_during_a_write_leaves_the_previous_checkpoint_intact(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from vlmfast import checkpoint
+        from vlmfast.checkpoints import store as checkpoint
         checkpoint.save_checkpoint({str(tmp_path)!r}, 1, {{"w": torch.arange(10)}})
         def dying_save(obj, f):
             f.write(b"partial bytes of a checkpoint")
@@ -62,7 +62,7 @@ def test_sigkill_while_a_training_run_saves_then_resume_continues_from_the_previ
         import os, signal, sys, torch
         sys.path.insert(0, {str(TESTS / "faults")!r}); sys.path.insert(0, {str(TESTS)!r})
         from _faults import make_spec, train
-        from vlmfast import checkpoint
+        from vlmfast.checkpoints import store as checkpoint
         real_save = torch.save
         def dying_save(obj, f):
             if isinstance(obj, dict) and obj.get("trainer", {{}}).get("step") == 4:

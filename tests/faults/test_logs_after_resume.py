@@ -19,7 +19,7 @@ from pathlib import Path
 
 from _faults import losses, make_spec, tiny_filesystem, train
 
-from vlmfast.checkpoint import latest_checkpoint, verify_checkpoint
+from vlmfast.checkpoints.store import latest_checkpoint, verify_checkpoint
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_report_json_is_cumulative_and_a_finished_run_rerun_keeps_it(tmp_path):
 
 
 def test_a_failing_metrics_log_never_stops_training_or_its_checkpoints(tmp_path, monkeypatch, caplog):
-    from vlmfast.reporting import MetricsLogger
+    from vlmfast.reporting.report import MetricsLogger
 
     real_write, calls = MetricsLogger._write, []
 
@@ -100,7 +100,7 @@ def test_a_failing_metrics_log_never_stops_training_or_its_checkpoints(tmp_path,
 
     monkeypatch.setattr(MetricsLogger, "_write", full_disk_from_step_3)
     save, logs = tmp_path / "ckpt", tmp_path / "logs"
-    with caplog.at_level(logging.WARNING, logger="vlmfast.reporting"):
+    with caplog.at_level(logging.WARNING, logger="vlmfast.reporting.report"):
         trainer, result = train(make_spec(max_steps=6, save={"dir": str(save)},
                                           log={"dir": str(logs), "progress": "off"}))
     assert trainer.state.step == 6 and result.checkpoint.name == "step_00000006"

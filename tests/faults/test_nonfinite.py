@@ -15,7 +15,7 @@ from conftest import TinyCausalLM, TokenDataset
 from torch.nn import functional as F
 
 from vlmfast import Callback, NonFiniteLossError, OptimizedTrainer
-from vlmfast.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from vlmfast.checkpoints.store import latest_checkpoint, list_checkpoints, load_checkpoint
 
 
 class NonFiniteAt(TinyCausalLM):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
+from vlmfast.checkpoints.store import latest_checkpoint, load_checkpoint, verify_checkpoint
 
 TESTS = Path(__file__).resolve().parents[1]
 

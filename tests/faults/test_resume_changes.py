@@ -11,7 +11,7 @@ from _faults import losses, make_spec, train
 from conftest import TinyCausalLM
 
 from vlmfast import SpecError, TrainSpec
-from vlmfast.checkpoint import check_resume_compatible
+from vlmfast.checkpoints.store import check_resume_compatible
 
 
 def saved_run(tmp_path, **overrides):

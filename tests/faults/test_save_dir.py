@@ -21,15 +21,15 @@ import torch
 from _faults import losses, make_spec, tiny_filesystem, train
 
 from vlmfast import SpecError
-from vlmfast.checkpoint import CheckpointWriteError, list_checkpoints, save_checkpoint, verify_checkpoint
-from vlmfast.save_dir import HOST, SaveDirInUseError, SaveDirLock
+from vlmfast.checkpoints.save_dir import HOST, SaveDirInUseError, SaveDirLock
+from vlmfast.checkpoints.store import CheckpointWriteError, list_checkpoints, save_checkpoint, verify_checkpoint
 
 
 def _holder(directory: Path) -> subprocess.Popen:
     """Another process that takes `directory`'s lock and keeps it until killed."""
     script = textwrap.dedent(f"""
         import sys, time
-        from vlmfast.save_dir import SaveDirLock
+        from vlmfast.checkpoints.save_dir import SaveDirLock
         SaveDirLock({str(directory)!r}).acquire()
         print("locked", flush=True)
         time.sleep(600)
@@ -49,7 +49,7 @@ def test_a_second_run_on_one_save_dir_is_refused_then_a_dead_runs_lock_is_taken_
     finally:
         holder.kill()
         holder.wait()
-    with caplog.at_level(logging.INFO, logger="vlmfast.save_dir"):  # the killed run's lock file is still there
+    with caplog.at_level(logging.INFO, logger="vlmfast.checkpoints.save_dir"):  # the killed run's lock is still there
         _, result = train(make_spec(max_steps=2, save={"dir": str(tmp_path)}))
     assert result.checkpoint.name == "step_00000002"
     assert f"taking over the lock of pid {holder.pid}" in caplog.text
@@ -142,8 +142,7 @@ def test_a_real_full_file_system_keeps_the_previous_checkpoints(tmp_path, asynch
 
 
 def test_too_little_space_for_one_checkpoint_is_refused_before_any_step(tmp_path, monkeypatch):
-    from vlmfast import save_dir
-
+    from vlmfast.checkpoints import save_dir
     monkeypatch.setattr(save_dir.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
     with pytest.raises(SpecError, match=r"save.dir .*: 1000 B free, but one checkpoint of this run needs about "
                        r"[\d.]+ KiB"):
@@ -193,7 +192,7 @@ def _assert_refused(target: Path) -> None:
 
 
 def test_spec_check_warns_about_a_folder_that_would_fail_here(tmp_path, capsys):
-    from vlmfast.cli import main
+    from vlmfast.cli.main import main
 
     (tmp_path / "a_file").write_text("x")
     spec = tmp_path / "run.yaml"
@@ -205,8 +204,7 @@ def test_spec_check_warns_about_a_folder_that_would_fail_here(tmp_path, capsys):
 
 def test_an_unreadable_checkpoint_given_as_resume_path_is_named(tmp_path, monkeypatch):
     save_checkpoint(tmp_path, 1, {"w": torch.ones(2)})
-    from vlmfast import checkpoint
-
+    from vlmfast.checkpoints import store as checkpoint
     def denied(path, fsync=False):
         raise PermissionError(13, "Permission denied", str(path))
 

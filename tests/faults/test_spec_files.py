@@ -13,7 +13,7 @@ import math
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from vlmfast.sections import _number_kinds
+from vlmfast.common.sections import _number_kinds
 from vlmfast.spec import SpecError, TrainSpec
 
 

@@ -12,7 +12,7 @@ from _faults import losses, make_spec, train
 from conftest import TokenDataset
 
 from vlmfast import DataLoaderTimeoutError, TrainSpec
-from vlmfast.checkpoint import list_checkpoints
+from vlmfast.checkpoints.store import list_checkpoints
 from vlmfast.data.loader import EpochSampler, ResumableLoader
 from vlmfast.spec import DataSpec
 

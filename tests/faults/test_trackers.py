@@ -13,8 +13,8 @@ from _faults import make_spec, train
 from conftest import TinyCausalLM, TokenDataset
 
 from vlmfast import OptimizedTrainer, SpecError, tracking
-from vlmfast.cli import main
-from vlmfast.tracking import TrackerError, open_trackers
+from vlmfast.cli.main import main
+from vlmfast.reporting.tracking import TrackerError, open_trackers
 
 
 class _Blocked(importlib.abc.MetaPathFinder):

@@ -23,8 +23,8 @@ import torch
 from _faults import make_spec, train
 
 from vlmfast import SpecError
-from vlmfast.checkpoint import CorruptCheckpointError, resume_path, save_checkpoint, verify_checkpoint
-from vlmfast.safe_files import UnsafeOutputError
+from vlmfast.checkpoints.store import CorruptCheckpointError, resume_path, save_checkpoint, verify_checkpoint
+from vlmfast.common.safe_files import UnsafeOutputError
 
 VICTIM = "the user's own file: no run may change it\n"
 

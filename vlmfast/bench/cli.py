@@ -11,7 +11,7 @@ Usage::
 Files (in --out, default benchmarks/results/<device>/): compare.json / .md, compare_throughput.png,
 compare_memory.png, headroom.json / .md / .png; a size other than the device's own adds _<size>, --quick adds _quick.
 
-    add_bench_command(subparsers)              # how vlmfast.cli registers it
+    add_bench_command(subparsers)              # how vlmfast.cli.main registers it
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from vlmfast.bench.report import device_dir
-    from vlmfast.utils import resolve_device
+    from vlmfast.common.utils import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -163,5 +163,5 @@ def _progress(line: str) -> None:
     print(line, flush=True)
 
 
-if __name__ == "__main__":  # python -m vlmfast.bench.cli ... (before `vlmfast bench` is wired into vlmfast.cli)
+if __name__ == "__main__":  # python -m vlmfast.bench.cli ... (before `vlmfast bench` is wired into vlmfast.cli.main)
     sys.exit(main())

@@ -29,8 +29,8 @@ import torch
 from vlmfast.bench.configs import START, BenchConfig, skip_reason
 from vlmfast.bench.runners import RunResult
 from vlmfast.bench.workload import Workload
+from vlmfast.common.tf32 import restore_tf32_state, tf32_state
 from vlmfast.profiling import peak_tflops
-from vlmfast.tf32 import restore_tf32_state, tf32_state
 
 __all__ = ["MUST_SHOW", "check_must_show", "run_comparison", "summarise_run"]
 
@@ -87,7 +87,7 @@ _TF32_AT_START = tf32_state()  # torch's defaults (or the user's settings) befor
 
 def _reset_process_state(threads: int) -> None:
     """What one run may leave behind for the next: TF32 settings (vlmfast's tf32 and transformers' TrainingArguments
-    set them; restored through torch's new API only, see vlmfast.tf32), dynamo's caches (their
+    set them; restored through torch's new API only, see vlmfast.common.tf32), dynamo's caches (their
     recompile limit would silently send later compiled runs to eager), the thread count, cached CUDA memory."""
     restore_tf32_state(_TF32_AT_START)
     torch._dynamo.reset()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vlmfast.safe_files import library_output, write_atomic
+from vlmfast.common.safe_files import library_output, write_atomic
 
 __all__ = ["comparison_markdown", "device_dir", "environment", "headroom_markdown", "plot_comparison",
            "plot_headroom", "update_doc", "write_results"]

@@ -29,11 +29,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from vlmfast.bench.workload import Workload, evaluate_loss
+from vlmfast.common.tf32 import restore_tf32_state, set_tf32, tf32_state
 from vlmfast.data.batch import move_to_device
 from vlmfast.data.micro_batches import SampleBatch
 from vlmfast.memory.stats import GB
 from vlmfast.strategies.precision import autocast_context
-from vlmfast.tf32 import restore_tf32_state, set_tf32, tf32_state
 
 __all__ = ["RunResult", "Settings", "accelerate_loop", "fabric_loop", "hand_written", "hf_trainer", "vlmfast_run"]
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vlmfast.safe_files import open_for_writing
+from vlmfast.common.safe_files import open_for_writing
 
 TOKEN_DTYPES = (np.uint8, np.uint16, np.uint32, np.int64)
 

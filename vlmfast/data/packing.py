@@ -32,8 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from vlmfast.attention.documents import is_mrope_position_ids
+from vlmfast.common.utils import unwrap_model
 from vlmfast.data.batch_layout import IMAGE_KEYS, BatchLayout, BatchSplitError, image_key_kinds, split_collated
-from vlmfast.utils import unwrap_model
 
 if TYPE_CHECKING:
     from vlmfast.spec import PackingSpec

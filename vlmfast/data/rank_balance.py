@@ -47,9 +47,9 @@ class CostModel:
         """Coefficients from FLOP counts (fixed by the model, so every run deals alike): 6 FLOPs per parameter per
         token of the language model, 12 x layers x hidden per token pair (attention's QK^T and AV, forward and
         backward), and 6 FLOPs per vision parameter per image patch. Unknown parts count 0."""
+        from vlmfast.common.utils import unwrap_model
         from vlmfast.features.units import TOWER_NAMES
         from vlmfast.strategies.token_budget import image_token_cost
-        from vlmfast.utils import unwrap_model
 
         model = unwrap_model(model)
         vision = sum(p.numel() for name, p in model.named_parameters()

@@ -44,13 +44,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from vlmfast.common.safe_files import open_for_writing
 from vlmfast.data.bad_samples import (
     LOGGED_PER_PROCESS,
     BadSampleCounts,
     BadSampleError,
     TooManyBadSamplesError,
 )
-from vlmfast.safe_files import open_for_writing
 
 __all__ = ["BadSampleError", "CaptionTokens", "ShardDataset", "TooManyBadSamplesError", "write_shards"]
 

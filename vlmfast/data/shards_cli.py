@@ -5,7 +5,7 @@ Usage::
     vlmfast shards write images/ shards/ --max-count 1000 --max-size 1G
     vlmfast shards write data.jsonl shards/ --skip-missing --verify
 
-    add_shards_command(subparsers)      # how vlmfast.cli registers it
+    add_shards_command(subparsers)      # how vlmfast.cli.main registers it
 """
 
 from __future__ import annotations

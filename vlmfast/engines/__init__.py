@@ -8,6 +8,9 @@ Usage::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from vlmfast.engines.base import Engine, StepResult
@@ -23,6 +26,33 @@ from vlmfast.engines.process_group import (
 from vlmfast.engines.single import SingleEngine
 from vlmfast.spec import TrainSpec
 from vlmfast.strategies.precision import MixedPrecision
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """What strategies need to know about the engine a spec builds, answered before it is built (strategies are
+    built first). The one place outside an engine class that reads ``spec.engine``.
+
+    Usage: ``if engine_traits(spec, world_size).shards_parameters: ...``
+    """
+
+    shards_parameters: bool  # a rank holds part of each weight (FSDP2, ZeRO-3): every forward all-gathers
+    reduces_in_backward: bool  # gradients are reduced by hooks during backward (not averaged by hand afterwards)
+    needs_every_parameter: bool  # every trainable parameter must get a gradient in every backward (DDP's reducer)
+    reduces_unused_parameters: bool  # a parameter no forward used still joins the reduction (find_unused_parameters)
+
+
+def engine_traits(spec: Any, world_size: int) -> EngineTraits:
+    """The traits of the engine :func:`build_engine` builds for `spec` on `world_size` ranks."""
+    if world_size == 1:
+        return EngineTraits(False, False, False, False)
+    if spec.engine == "fsdp":
+        return EngineTraits(True, True, False, False)
+    if spec.engine == "deepspeed":
+        return EngineTraits(spec.deepspeed.zero_stage == 3, True, False, False)
+    manual = bool(spec.oom.enabled)  # DDPEngine(manual_sync=...): finish_gradients averages after the ranks agree
+    unused = bool(spec.ddp.find_unused_parameters)
+    return EngineTraits(False, not manual, not (manual or unused), unused)
 
 
 def build_engine(spec: TrainSpec, device: torch.device, world_size: int) -> Engine:
@@ -47,12 +77,14 @@ __all__ = [
     "DDPEngine",
     "DistributedEnv",
     "Engine",
+    "EngineTraits",
     "SingleEngine",
     "StepResult",
     "apply_nccl_presets",
     "build_engine",
     "count_bytes",
     "distributed_env",
+    "engine_traits",
     "explain_ddp_error",
     "init_distributed",
     "register_comm_hook",

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from vlmfast.integrations import find_ddp
+from vlmfast.engines.foreign_loops import find_ddp
 from vlmfast.spec import DDPSpec
 
 log = logging.getLogger(__name__)

@@ -31,14 +31,14 @@ import torch
 from accelerate.utils import recursively_apply
 from torch import nn
 
+from vlmfast.common.utils import PRECISION_DTYPES, notice_if_slow
 from vlmfast.engines.base import Engine, OptimizerFactory, StepResult
 from vlmfast.engines.build_locks import explain_build_locks
 from vlmfast.engines.deepspeed_safe_load import weights_only_loading
+from vlmfast.engines.foreign_loops import filter_deepspeed_warnings
 from vlmfast.engines.process_group import ensure_process_group
-from vlmfast.integrations import filter_deepspeed_warnings
 from vlmfast.spec import SpecError, TrainSpec
 from vlmfast.strategies.precision import EnginePrecision
-from vlmfast.utils import PRECISION_DTYPES, notice_if_slow
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vlmfast.checkpoint import CorruptCheckpointError
+from vlmfast.checkpoints.store import CorruptCheckpointError
 
 # Plain data classes and enums: unpickling them builds an object from stored fields and runs none of their code.
 DEEPSPEED_SAFE_GLOBALS = (

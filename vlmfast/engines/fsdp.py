@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmfast.common.module_tree import find_repeated_blocks, matches
 from vlmfast.engines.base import Engine, OptimizerFactory
 from vlmfast.engines.process_group import ensure_process_group
-from vlmfast.module_tree import find_repeated_blocks, matches
 from vlmfast.spec import FSDPSpec, SpecError
 from vlmfast.strategies.precision import EnginePrecision
 

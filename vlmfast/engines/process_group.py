@@ -86,7 +86,7 @@ def init_distributed(timeout_minutes: float = 10.0, backend: str | None = None) 
     env = distributed_env()
     if env.world_size <= 1 or torch.distributed.is_initialized():
         if env.world_size <= 1:  # a launcher asked for several processes but started one: say so (issue 20)
-            from vlmfast.integrations import warn_if_launched_alone
+            from vlmfast.engines.foreign_loops import warn_if_launched_alone
 
             warn_if_launched_alone()
         _quiet_other_ranks(env)

@@ -95,7 +95,7 @@ class FeatureCache:
     def __init__(self, model: nn.Module, directory: str | Path, *, max_gb: float = 20.0, dtype: str = "auto",
                  scope: str = "auto", module: str | None = None, read_only: bool = False,
                  preprocessing: dict[str, Any] | None = None) -> None:
-        from vlmfast.utils import PRECISION_DTYPES
+        from vlmfast.common.utils import PRECISION_DTYPES
 
         self.unit: Unit = resolve_unit(model, scope, module)
         self.root = Path(directory).expanduser()

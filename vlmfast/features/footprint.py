@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vlmfast.common.module_tree import matches
 from vlmfast.features.units import TOWER_NAMES, _find, _owner_of, _projector
-from vlmfast.module_tree import matches
 
 __all__ = ["CacheFootprint", "cache_footprint"]
 

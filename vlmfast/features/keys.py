@@ -147,7 +147,7 @@ def check_deterministic(dataset: Any, collate_fn: Callable[[list[Any]], Any] | N
 
     Usage: ``reason = check_deterministic(dataset, collate)`` -> ``None`` or ``"sample 0 gave different ..."``
     """
-    from vlmfast.utils import rng_state, set_rng_state
+    from vlmfast.common.utils import rng_state, set_rng_state
 
     collate = collate_fn or default_collate
     state = rng_state()

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlmfast.safe_files import open_fd, write_atomic
+from vlmfast.common.safe_files import open_fd, write_atomic
 
 __all__ = ["KEY_BYTES", "Entry", "FeatureStore", "store_summaries"]
 

@@ -101,7 +101,7 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     Usage: ``[name for name, _ in repeated_blocks(model)]`` -> ``['vision_tower.blocks.0', ...]``
     """
-    from vlmfast.module_tree import find_repeated_blocks  # the strategy's own choice: they agree
+    from vlmfast.common.module_tree import find_repeated_blocks  # the strategy's own choice: they agree
 
     return [(f"{path}.{i}", block) for path, mlist in find_repeated_blocks(model).items()
             for i, block in enumerate(mlist)]

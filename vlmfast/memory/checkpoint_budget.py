@@ -7,7 +7,7 @@ Usage::
     apply_checkpoint_plan(model, plan)                                        # vlmfast.hooks
     print(plan.describe())      # 'language_model.layers: 20 full, 4 selective; vision_tower.blocks: 24 none ...'
 
-One probe forward records, for every repeated block (``vlmfast.module_tree.find_repeated_blocks``, both towers):
+One probe forward records, for every repeated block (``vlmfast.common.module_tree.find_repeated_blocks``, both towers):
 
 - ``none``: the bytes autograd saves inside the block (what the block keeps without checkpointing);
 - ``full``: the bytes of the block's inputs (what non-reentrant checkpointing keeps), and the FLOPs of the block's

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vlmfast.common.utils import PRECISION_DTYPES
 from vlmfast.memory.known_models import KNOWN_CONFIGS, TINY_VLM, estimate_from_hf_config
 from vlmfast.memory.options import CHECKPOINT_SCOPES, OPTIMIZERS
-from vlmfast.utils import PRECISION_DTYPES
 
 __all__ = ["add_estimate_memory_parser", "run_estimate_memory"]
 

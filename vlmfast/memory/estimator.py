@@ -57,6 +57,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmfast.common.module_tree import matches
+from vlmfast.common.utils import PRECISION_DTYPES
 from vlmfast.memory.activations import (
     ModelProbe,
     _accepts_seq_len,
@@ -75,8 +77,6 @@ from vlmfast.memory.options import (
     optimizer_state_bytes,
 )
 from vlmfast.memory.zero import DS_BUFFER_FACTOR, _largest_layer_params, _shard
-from vlmfast.module_tree import matches
-from vlmfast.utils import PRECISION_DTYPES
 
 __all__ = [
     "ComponentMemory",

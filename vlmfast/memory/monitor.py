@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlmfast.callbacks import Callback, OptimizedTrainer
+from vlmfast.common.safe_files import library_output, open_for_writing
 from vlmfast.memory.allocator import OOMSnapshots
 from vlmfast.memory.leaks import LeakDetector, LeakWarning, TensorKind, live_tensor_census, tensor_growth
 from vlmfast.memory.stats import GB, memory_stats
-from vlmfast.safe_files import library_output, open_for_writing
 from vlmfast.spec import MemorySpec
+from vlmfast.train.callbacks import Callback, OptimizedTrainer
 
 if TYPE_CHECKING:
     from vlmfast.train.state import FitResult

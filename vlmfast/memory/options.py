@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from vlmfast.utils import PRECISION_DTYPES
+from vlmfast.common.utils import PRECISION_DTYPES
 
 __all__ = [
     "CHECKPOINT_SCOPES",

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmfast.safe_files import library_output
+from vlmfast.common.safe_files import library_output
 
 # metric -> (label, line style); the order is the drawing order: peak first, wide and pale, so a current-memory
 # line that reaches the peak (as it does under a leak) stays visible on top of it

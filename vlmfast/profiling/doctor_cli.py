@@ -19,8 +19,8 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
-from vlmfast.cli_jobs import add_job_arguments, build_spec, load_task, run_task, task_job
-from vlmfast.safe_files import open_for_writing
+from vlmfast.cli.jobs import add_job_arguments, build_spec, load_task, run_task, task_job
+from vlmfast.common.safe_files import open_for_writing
 
 __all__ = ["add_doctor_command", "run_doctor"]
 

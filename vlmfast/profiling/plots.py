@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from vlmfast.safe_files import library_output
+from vlmfast.common.safe_files import library_output
 
 __all__ = ["plot_step_breakdown"]
 

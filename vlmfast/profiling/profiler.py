@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmfast.common.safe_files import UnsafeOutputError, write_atomic
 from vlmfast.profiling.flops import FlopsMeter, peak_tflops
 from vlmfast.profiling.phase_timer import PhaseTimer
 from vlmfast.profiling.torch_profiler import StepProfiler
-from vlmfast.safe_files import UnsafeOutputError, write_atomic
 from vlmfast.spec import ProfileSpec
 
 __all__ = ["EXCLUDED", "RunProfiler", "report_lines"]

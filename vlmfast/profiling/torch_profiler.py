@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from vlmfast.safe_files import ensure_dir, library_output, open_for_writing, write_atomic
+from vlmfast.common.safe_files import ensure_dir, library_output, open_for_writing, write_atomic
 from vlmfast.spec import TraceSpec
 
 __all__ = ["StepProfiler", "nvtx_range", "top_operators"]

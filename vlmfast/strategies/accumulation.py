@@ -25,11 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmfast.common.utils import unwrap_model
 from vlmfast.data.batch import batch_size_of, host_micro_batches, move_to_device
 from vlmfast.data.batch_layout import BatchLayout
 from vlmfast.data.micro_batches import split_micro_batches
 from vlmfast.engines.collectives import all_reduce_sum, gather_objects, sum_and_max, sum_loss_and_flags, world_size
-from vlmfast.integrations import (
+from vlmfast.engines.foreign_loops import (
     after_agreement,
     check_loop,
     loop_backward,
@@ -40,7 +41,6 @@ from vlmfast.integrations import (
 from vlmfast.models.conventions import LabelConventionError, LabelConventions, probe_label_conventions
 from vlmfast.models.outputs import call_model, extract_loss
 from vlmfast.strategies.base import Step, Strategy
-from vlmfast.utils import unwrap_model
 
 log = logging.getLogger(__name__)
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]

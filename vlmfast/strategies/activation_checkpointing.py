@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vlmfast.common.module_tree import find_repeated_blocks, matches
 from vlmfast.memory.checkpoint_budget import CheckpointPlan, measure_block_costs, plan_checkpointing
-from vlmfast.module_tree import find_repeated_blocks, matches
 from vlmfast.spec import ActivationCheckpointingSpec
 from vlmfast.strategies.base import Strategy
 
@@ -347,8 +347,8 @@ def plan_for_budget(model: nn.Module, budget_gb: float, *, micro_batch_size: int
 
     Usage: ``plan = plan_for_budget(model, 4.0, micro_batch_size=2)``; ``apply_checkpoint_plan(model, plan)``
     """
+    from vlmfast.common.utils import PRECISION_DTYPES
     from vlmfast.memory.activations import default_activation_probe
-    from vlmfast.utils import PRECISION_DTYPES
 
     probe = default_activation_probe(model)
     if probe is None:

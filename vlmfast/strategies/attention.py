@@ -19,9 +19,9 @@ from typing import Any
 from torch import nn
 
 from vlmfast.attention import AttentionBackendError, AttentionSetting, set_attention_backend
+from vlmfast.common.utils import PRECISION_DTYPES
 from vlmfast.spec import AttentionSpec
 from vlmfast.strategies.base import Strategy
-from vlmfast.utils import PRECISION_DTYPES
 
 __all__ = ["AttentionBackend"]
 

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from torch.utils import _python_dispatch
 
-from vlmfast.module_tree import find_repeated_blocks
+from vlmfast.common.module_tree import find_repeated_blocks
+from vlmfast.engines.foreign_loops import find_ddp
 from vlmfast.spec import CompileSpec
 from vlmfast.strategies.base import Strategy
 
@@ -145,7 +146,8 @@ def _check_backend(backend: str | Callable[..., Any]) -> None:
 
 
 def _targets(model: nn.Module, scope: str) -> list[tuple[str, nn.Module]]:
-    inner = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    ddp = find_ddp(model)  # the engine (or the user's loop) may have wrapped it
+    inner = ddp.module if ddp is not None else model
     if scope == "model":
         return [("model", inner)]
     blocks = [(f"{path}.{i}", block) for path, stack in find_repeated_blocks(inner).items()

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vlmfast.sections import Field, Section
+from vlmfast.common.sections import Field, Section
 from vlmfast.strategies.base import Step, Strategy
 
 __all__ = ["EMA", "EMASpec", "ExponentialMovingAverage", "update_ema"]

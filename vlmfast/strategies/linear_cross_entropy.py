@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vlmfast.sections import Field, Section
+from vlmfast.common.sections import Field, Section
+from vlmfast.common.utils import unwrap_model
 from vlmfast.strategies.base import Strategy
-from vlmfast.utils import unwrap_model
 
 __all__ = [
     "ChunkedLossModel",

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from vlmfast.sections import Field, Section
+from vlmfast.common.sections import Field, Section
 from vlmfast.strategies.base import Strategy
 
 __all__ = ["LoRA", "LoRASpec", "apply_lora", "frozen_fingerprint", "is_peft_model", "lora_target_modules",

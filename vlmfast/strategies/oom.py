@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from vlmfast.engines.collectives import agree_max, all_reduce_gradients, world_size
-from vlmfast.integrations import deferring, find_sync_module, no_sync
+from vlmfast.engines.foreign_loops import deferring, find_sync_module, no_sync
 from vlmfast.memory.oom_errors import FAILED, OK, OOM, OutOfMemoryAtMinimumError, free_memory, is_oom_error
 from vlmfast.spec import OOMSpec
 from vlmfast.strategies.base import Strategy
@@ -90,9 +90,9 @@ class OOMFallback(Strategy):
     def run(self, attempt: Callable[[int], T], cleanup: Callable[[], None]) -> T:
         """Call `attempt(micro_batch_size)` until it finishes without OOM on every rank; return its result.
 
-        Cross-rank sums the attempt registers through :func:`vlmfast.integrations.after_agreement` (the global loss
-        of ``accumulate_gradients``) run after the agreement, so a rank that ran out of memory never meets a peer
-        in a different collective."""
+        Cross-rank sums the attempt registers through :func:`vlmfast.engines.foreign_loops.after_agreement` (the
+        global loss of ``accumulate_gradients``) run after the agreement, so a rank that ran out of memory never
+        meets a peer in a different collective."""
         self._maybe_grow()
         while True:
             status, error = OK, None

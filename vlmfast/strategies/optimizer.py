@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from vlmfast.module_tree import matches
+from vlmfast.common.module_tree import matches
 from vlmfast.spec import OptimizerSpec, SchedulerSpec
 from vlmfast.strategies.base import Step, Strategy
 

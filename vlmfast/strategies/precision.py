@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from vlmfast.common.utils import PRECISION_DTYPES
 from vlmfast.strategies.base import Step, Strategy
-from vlmfast.utils import PRECISION_DTYPES
 
 
 def autocast_context(precision: str, device: torch.device) -> AbstractContextManager[Any]:
@@ -33,7 +33,7 @@ def autocast_context(precision: str, device: torch.device) -> AbstractContextMan
 
 def enable_tf32(enabled: bool = True) -> None:
     """Let CUDA matmuls and convolutions use TF32 tensor cores (fp32 range, ~10-bit mantissa)."""
-    from vlmfast.tf32 import set_tf32  # never the legacy allow_tf32 flags: see that module
+    from vlmfast.common.tf32 import set_tf32  # never the legacy allow_tf32 flags: see that module
 
     set_tf32(enabled)
 

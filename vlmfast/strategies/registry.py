@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from vlmfast.common.utils import unwrap_model
 from vlmfast.data.batch_layout import BatchLayout
+from vlmfast.engines import engine_traits
 from vlmfast.strategies import oom
 from vlmfast.strategies.activation_checkpointing import ActivationCheckpointing
 from vlmfast.strategies.attention import AttentionBackend
@@ -28,7 +30,6 @@ from vlmfast.strategies.linear_cross_entropy import LinearCrossEntropy
 from vlmfast.strategies.nonfinite import NonFiniteGuard
 from vlmfast.strategies.token_budget import TokenBudgetSizer, image_token_cost
 from vlmfast.strategies.vision_cache import VisionCache
-from vlmfast.utils import unwrap_model
 
 
 @dataclass
@@ -56,12 +57,12 @@ def _attention(spec: Any, ctx: BuildContext) -> Strategy | None:
 def _vision_cache(spec: Any, ctx: BuildContext) -> Strategy | None:
     if not spec.vision_cache.enabled:
         return None
-    if spec.engine == "fsdp" or (spec.engine == "deepspeed" and spec.deepspeed.zero_stage == 3):
+    if engine_traits(spec, max(ctx.world_size, 2)).shards_parameters:
         # A sharded tower all-gathers its weights in forward: a rank whose images all hit would skip collectives
         # that the other ranks wait in.
-        raise ValueError(f"vision_cache.enabled does not work with engine: {spec.engine} sharding the weights "
-                         "(ranks that hit the cache would skip the tower's all-gathers): use engine: ddp, or "
-                         "deepspeed.zero_stage <= 2")
+        raise ValueError("vision_cache.enabled does not work with an engine that shards the weights (engine: fsdp, "
+                         "or deepspeed.zero_stage: 3): ranks that hit the cache would skip the tower's all-gathers; "
+                         "use engine: ddp, or deepspeed.zero_stage <= 2")
     data = spec.data
     preprocessing = {"device_image_size": data.device_image_size, "image_key": data.image_key,
                      "image_mean": data.image_mean, "image_std": data.image_std} if data.device_image_size else {}
@@ -72,12 +73,13 @@ def _modality_sync(spec: Any, ctx: BuildContext) -> Strategy | None:
     # Several ranks whose backward reduces (not DDP under the OOM fallback, which averages by hand after the ranks
     # agree): a rank whose micro-batch has no image still runs the image path (weight 0) when another's has.
     # DDP with find_unused_parameters already reduces zeros for a skipped tower.
-    if ctx.world_size == 1 or (spec.engine == "ddp" and (spec.oom.enabled or spec.ddp.find_unused_parameters)):
+    traits = engine_traits(spec, ctx.world_size)
+    if not traits.reduces_in_backward or traits.reduces_unused_parameters:
         return None
     from vlmfast.strategies.modality_sync import ModalitySync
 
-    sharded = spec.engine == "fsdp" or (spec.engine == "deepspeed" and spec.deepspeed.zero_stage == 3)
-    return ModalitySync(ctx.probe_batches, every_forward=sharded, always=spec.engine == "ddp")
+    return ModalitySync(ctx.probe_batches, every_forward=traits.shards_parameters,
+                        always=traits.needs_every_parameter)
 
 
 def _activation_checkpointing(spec: Any, ctx: BuildContext) -> Strategy | None:

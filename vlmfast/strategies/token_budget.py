@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from vlmfast.common.utils import unwrap_model
 from vlmfast.data.batch_layout import (
     IMAGE_KEYS,
     VIDEO_KEYS,
@@ -48,7 +49,6 @@ from vlmfast.data.micro_batches import SampleBatch
 from vlmfast.engines.collectives import agree_max
 from vlmfast.memory.oom_errors import FAILED, OK, OOM, OutOfMemoryAtMinimumError, free_memory, is_oom_error
 from vlmfast.strategies.base import Step, Strategy
-from vlmfast.utils import unwrap_model
 
 __all__ = [
     "Pick",

@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 from torch import nn
 
+from vlmfast.common.sections import Field, Section
 from vlmfast.features.cache import CacheStats, FeatureCache
 from vlmfast.features.keys import KeyedCollate, check_deterministic
-from vlmfast.sections import Field, Section
 from vlmfast.strategies.base import Step, Strategy
 
 __all__ = ["VisionCache", "VisionCacheSpec", "cache_vision_features", "default_cache_dir"]

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmfast.common.utils import rng_state, set_rng_state
 from vlmfast.data.batch import split_batch
 from vlmfast.memory.batch_size import BatchSizeSearch, find_max_micro_batch_size, restore_from_host, snapshot_to_host
 from vlmfast.spec import SpecError
-from vlmfast.utils import rng_state, set_rng_state
 
 __all__ = ["BatchSizeSearch", "search_micro_batch_size"]
 

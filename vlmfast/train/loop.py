@@ -23,9 +23,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from vlmfast.callbacks import Callback
-from vlmfast.checkpoint import check_resume_compatible, check_same_world_size, latest_checkpoint, save_checkpoint
-from vlmfast.checkpoint_async import AsyncCheckpointer
+from vlmfast.checkpoints.async_save import AsyncCheckpointer
+from vlmfast.checkpoints.save_dir import SaveDirLock, prepare_save_dir
+from vlmfast.checkpoints.store import check_resume_compatible, check_same_world_size, latest_checkpoint, save_checkpoint
+from vlmfast.common.utils import resolve_device, rng_state, seed_everything, set_rng_state
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.fingerprint import describe_changes, fingerprint_changes, map_position
 from vlmfast.data.loader import ResumableLoader
@@ -43,20 +44,19 @@ from vlmfast.memory.advice import explain_oom, memory_summary, oom_advice
 from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.profiling import RunProfiler
-from vlmfast.reporting import MetricsLogger, RunReport
-from vlmfast.save_dir import SaveDirLock, prepare_save_dir
+from vlmfast.reporting.report import MetricsLogger, RunReport
 from vlmfast.spec import SpecError, TrainSpec, check_environment
 from vlmfast.strategies.accumulation import AccumulationPlan, GradientAccumulation, LossFn
 from vlmfast.strategies.base import Step, Strategy, overrides
 from vlmfast.strategies.optimizer import Optimization
 from vlmfast.strategies.registry import BuildContext, build_micro_batching, build_strategies
 from vlmfast.train.batch_size import BatchSizeSearch, search_micro_batch_size
+from vlmfast.train.callbacks import Callback
 from vlmfast.train.evaluation import evaluate_loss
 from vlmfast.train.interrupt import InterruptGuard
 from vlmfast.train.save_resume import needs_final_save, resume_run, run_checkpoint_bytes, save_run
 from vlmfast.train.state import FitResult, TrainState
 from vlmfast.train.straggler import ComputeClock, straggler_seconds
-from vlmfast.utils import resolve_device, rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -527,11 +527,12 @@ class OptimizedTrainer:
         set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)  # 0.1 saved rank 0's only
 
     def export(self, directory: str | Path, merge: bool = False, processor: Any = None) -> Path | None:
-        """Write the trained model in a format the Hugging Face ecosystem loads (:func:`vlmfast.export.export_model`:
-        a LoRA run's adapter folder, or with ``merge`` the merged model; a Hugging Face model's save_pretrained
-        folder; else model.safetensors), with ``processor`` next to it. Rank 0 writes; returns the folder there.
+        """Write the trained model in a format the Hugging Face ecosystem loads
+        (:func:`vlmfast.checkpoints.export.export_model`: a LoRA run's adapter folder, or with ``merge`` the merged
+        model; a Hugging Face model's save_pretrained folder; else model.safetensors), with ``processor`` next to
+        it. Rank 0 writes; returns the folder there.
         Usage: ``trainer.fit(); trainer.export("out", processor=processor)``"""
-        from vlmfast.export import export_model
+        from vlmfast.checkpoints.export import export_model
 
         if refusal := self._export_refusal():
             raise ValueError(f"export: {refusal}")

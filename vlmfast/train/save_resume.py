@@ -1,4 +1,4 @@
-"""Saving and resuming a run across ranks and engines (the file format is vlmfast.checkpoint's).
+"""Saving and resuming a run across ranks and engines (the file format is vlmfast.checkpoints.store's).
 
 Engines that write shards (DeepSpeed) write every rank's part into rank 0's staging folder first; rank 0 adds the
 trainer state and renames the folder into place, so a checkpoint is complete or absent. On resume rank 0 decides
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vlmfast.checkpoint import latest_checkpoint, load_checkpoint, resume_path, save_checkpoint, staging_dir
+from vlmfast.checkpoints.save_dir import estimate_checkpoint_bytes
+from vlmfast.checkpoints.store import latest_checkpoint, load_checkpoint, resume_path, save_checkpoint, staging_dir
 from vlmfast.engines.base import Engine
 from vlmfast.engines.collectives import barrier, broadcast_object, world_size
-from vlmfast.save_dir import estimate_checkpoint_bytes
 from vlmfast.spec import SpecError
 
 

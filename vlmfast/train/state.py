@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from vlmfast.reporting import RunReport
+from vlmfast.reporting.report import RunReport
 
 
 @dataclass

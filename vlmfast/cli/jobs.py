@@ -2,11 +2,11 @@
 
 Usage::
 
-    from vlmfast.cli_jobs import add_job_arguments, build_spec, run_task
+    from vlmfast.cli.jobs import add_job_arguments, build_spec, run_task
     add_job_arguments(subparsers.add_parser("mycommand"))
     spec = build_spec(args.config, args.set); job = run_task(args.task, spec.seed, args.samples)
 
-`vlmfast train`, `find-batch-size` (``vlmfast.cli``) and `doctor` (``vlmfast.profiling.doctor_cli``) use it; it
+`vlmfast train`, `find-batch-size` (``vlmfast.cli.main``) and `doctor` (``vlmfast.profiling.doctor_cli``) use it; it
 imports neither, so the sub-commands never import the command that registers them.
 """
 
@@ -76,7 +76,7 @@ def build_spec(config: str | None, overrides: list[str], builtin_task: bool = Fa
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> None:
     """Apply ``--set KEY=VALUE`` items (dotted keys, YAML values) to a spec dict, in place."""
-    from vlmfast.sections import SpecError
+    from vlmfast.common.sections import SpecError
 
     for item in overrides:
         key, sep, raw = item.partition("=")

@@ -3,16 +3,16 @@
 The model is rebuilt as `vlmfast train` built it (``--task``, default the built-in tiny VLM) on the spec saved in
 the checkpoint (``--set`` overrides it, e.g. ``--set device=cpu``), the checkpoint is loaded into a trainer as a
 resume would load it (a LoRA checkpoint: the adapters onto the same base, checked by its fingerprint), and
-``trainer.export(OUT, merge=...)`` writes (vlmfast.export): a LoRA run's adapter folder, or with ``--merge`` the
-merged model; a Hugging Face model's ``save_pretrained`` folder; else ``model.safetensors``. A task that returns a
-dict with a ``processor`` has it saved next to the model.
+``trainer.export(OUT, merge=...)`` writes (vlmfast.checkpoints.export): a LoRA run's adapter folder, or with
+``--merge`` the merged model; a Hugging Face model's ``save_pretrained`` folder; else ``model.safetensors``. A task
+that returns a dict with a ``processor`` has it saved next to the model.
 
 Usage::
 
     vlmfast export ckpt/step_00000600 out/                          # the built-in tiny VLM's checkpoint
     vlmfast export ckpt/ out/merged --merge --task my_task:build     # a save.dir: its newest checkpoint
 
-    add_export_command(subparsers)      # how vlmfast.cli registers it
+    add_export_command(subparsers)      # how vlmfast.cli.main registers it
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlmfast.cli_jobs import DEFAULT_TASK
+from vlmfast.cli.jobs import DEFAULT_TASK
 
 __all__ = ["EXPORT_HELP", "add_export_command", "export_spec"]
 
@@ -57,7 +57,7 @@ def add_export_command(subparsers: Any) -> argparse.ArgumentParser:
 def checkpoint_folder(checkpoint: str | Path) -> Path:
     """The checkpoint CHECKPOINT names: a checkpoint folder or its state file, or a save.dir's newest complete
     checkpoint; FileNotFoundError naming the path otherwise."""
-    from vlmfast.checkpoint import STATE_FILE, latest_verified_checkpoint
+    from vlmfast.checkpoints.store import STATE_FILE, latest_verified_checkpoint
 
     path = Path(checkpoint)
     if not path.exists():
@@ -76,7 +76,7 @@ def export_spec(saved: dict[str, Any], overrides: list[str]) -> Any:
     """The checkpoint's saved spec with :data:`EXPORT_OVERRIDES`, then the --set overrides; validated."""
     from pydantic import ValidationError
 
-    from vlmfast.cli_jobs import _set_dotted, apply_overrides
+    from vlmfast.cli.jobs import _set_dotted, apply_overrides
     from vlmfast.spec import SpecError, TrainSpec, format_validation_error
 
     data = json.loads(json.dumps(saved, default=str))  # a deep copy of plain values
@@ -91,9 +91,9 @@ def export_spec(saved: dict[str, Any], overrides: list[str]) -> Any:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from vlmfast.checkpoint import load_checkpoint
-    from vlmfast.cli_jobs import run_task
-    from vlmfast.save_dir import check_output_dir
+    from vlmfast.checkpoints.save_dir import check_output_dir
+    from vlmfast.checkpoints.store import load_checkpoint
+    from vlmfast.cli.jobs import run_task
     from vlmfast.spec import SpecError
 
     folder = checkpoint_folder(args.checkpoint)

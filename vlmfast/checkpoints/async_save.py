@@ -2,13 +2,13 @@
 
 :meth:`AsyncCheckpointer.save` copies every tensor of the state to host memory (CUDA tensors into pinned buffers,
 one synchronisation; CPU tensors cloned, since the optimizer updates them in place) and returns; a background thread
-then does what a synchronous save does (:func:`vlmfast.checkpoint.save_checkpoint`): write, fsync, the manifest, the
-atomic rename, pruning. So the checkpoint becomes visible complete or not at all, exactly as a synchronous one: a
+then does what a synchronous save does (:func:`vlmfast.checkpoints.store.save_checkpoint`): write, fsync, the manifest,
+the atomic rename, pruning. So the checkpoint becomes visible complete or not at all, exactly as a synchronous one: a
 resume never sees half of it, and a failed write removes its partial folder and keeps every earlier checkpoint.
 
 - At most one save is in flight: the next :meth:`save` first waits for the previous one.
 - A save that fails is reported at the next step (:meth:`poll`, the trainer's ``on_step_end``), at the next save,
-  or at the end of the run (:meth:`wait`), with the same :class:`~vlmfast.checkpoint.CheckpointWriteError`.
+  or at the end of the run (:meth:`wait`), with the same :class:`~vlmfast.checkpoints.store.CheckpointWriteError`.
 - The end of the run waits for the last save (``on_fit_end``, and the final save itself waits).
 
 The copy costs host memory for one more state and the time of a memory copy (about 0.1 s per GB on CPU); the write,
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from vlmfast.checkpoint import checkpoint_name, save_checkpoint, state_tensors
+from vlmfast.checkpoints.store import checkpoint_name, save_checkpoint, state_tensors
 
 log = logging.getLogger(__name__)
 

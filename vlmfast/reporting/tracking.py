@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from vlmfast.sections import Field, Section, SpecError
+from vlmfast.common.sections import Field, Section, SpecError
 
 __all__ = ["MLflowSpec", "MLflowTracker", "Tracker", "TrackerError", "WandbSpec", "WandbTracker", "check_trackers",
            "close_trackers", "numeric_metrics", "open_trackers"]
@@ -159,7 +159,7 @@ class TrackerError(SpecError):
 def check_trackers(spec: Any) -> None:
     """Fail before any work when an enabled tracker cannot start: its package missing or the local folder it writes
     not writable; the error names the field and the fix. Creates nothing. Usage: ``check_trackers(spec.log)``."""
-    from vlmfast.save_dir import check_output_dir
+    from vlmfast.checkpoints.save_dir import check_output_dir
 
     if spec.tensorboard:
         _require("tensorboard", "log.tensorboard", "tensorboard", import_now=False)

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from vlmfast.cli_jobs import DEFAULT_TASK, add_job_arguments, build_spec, run_task  # torch-free: argparse, yaml
+from vlmfast.cli.jobs import DEFAULT_TASK, add_job_arguments, build_spec, run_task  # torch-free: argparse, yaml
 
 __all__ = ["main"]
 
@@ -41,7 +41,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("train the same VLM with a hand-written loop, vlmfast (each strategy, best), Accelerate, the HF Trainer "
               "and Fabric; tables, charts, memory headroom", "vlmfast.bench.cli:add_bench_command"),
     "export": ("write a checkpoint's model as a Hugging Face folder: a LoRA run's adapters (or --merge: the merged "
-               "model), save_pretrained, or model.safetensors", "vlmfast.export_cli:add_export_command"),
+               "model), save_pretrained, or model.safetensors", "vlmfast.cli.export:add_export_command"),
 }
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except Exception as exc:  # a clear one-line error for every known bad input, no traceback
-        from vlmfast.checkpoint import CheckpointError
+        from vlmfast.checkpoints.store import CheckpointError
         from vlmfast.spec import SpecError
 
         known = (SpecError, ValueError, FileNotFoundError, CheckpointError)
@@ -117,7 +117,7 @@ def _cmd_spec(args: argparse.Namespace) -> int:
 
 def _warn_about_folders(spec: Any) -> None:
     """`spec --check` validates anywhere; folders that would fail on this machine are said as warnings."""
-    from vlmfast.save_dir import check_output_dirs
+    from vlmfast.checkpoints.save_dir import check_output_dirs
     from vlmfast.spec import SpecError
 
     try:

@@ -39,8 +39,8 @@ def _plain_forward(model: nn.Module) -> nn.Module:
 def export_model(model: nn.Module, directory: str | Path, *, merge: bool = False, processor: Any = None) -> Path:
     """Write ``model`` into ``directory`` (see the module doc); returns the folder. The model itself is unchanged
     (a merge runs on a copy)."""
+    from vlmfast.common.utils import unwrap_model
     from vlmfast.strategies.lora import is_peft_model
-    from vlmfast.utils import unwrap_model
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

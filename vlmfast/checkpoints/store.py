@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from vlmfast.safe_files import open_for_writing
-from vlmfast.save_dir import SaveDirLock, format_bytes, leftover_is_abandoned, temp_name
-from vlmfast.sections import SpecError
+from vlmfast.checkpoints.save_dir import SaveDirLock, format_bytes, leftover_is_abandoned, temp_name
+from vlmfast.common.safe_files import open_for_writing
+from vlmfast.common.sections import SpecError
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +396,7 @@ def latest_verified_checkpoint(directory: str | Path) -> Path | None:
 
 def prune_checkpoints(directory: str | Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` complete checkpoints, and leftovers of writers that are gone (never a
-    running writer's temporary folder: see :func:`vlmfast.save_dir.leftover_is_abandoned`)."""
+    running writer's temporary folder: see :func:`vlmfast.checkpoints.save_dir.leftover_is_abandoned`)."""
     directory = Path(directory)
     for stale in directory.iterdir():
         if _LEFTOVER.match(stale.name) and leftover_is_abandoned(directory, stale.name):

@@ -31,10 +31,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from vlmfast.common.safe_files import open_fd, refuse_symlink, write_atomic
 from vlmfast.profiling.phase_timer import percentile
-from vlmfast.safe_files import open_fd, refuse_symlink, write_atomic
+from vlmfast.reporting.tracking import close_trackers, open_trackers
 from vlmfast.spec import LogSpec
-from vlmfast.tracking import close_trackers, open_trackers
 
 # The one definition of "step time" the report prints (the profiler's phase split uses its timed steps only).
 STEP_TIME_DEFINITION = "wall clock from one optimizer step's end to the next's, data wait included"
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.json"
 PREVIOUS_REPORT_FILE = "report.previous.json"  # the report of the run before this one in the same log.dir
-TRACKER_FOLDERS = ("wandb", "mlruns")  # where W&B and a local MLflow store write under log.dir (vlmfast.tracking)
+TRACKER_FOLDERS = ("wandb", "mlruns")  # where W&B and a local MLflow store write under log.dir (reporting.tracking)
 
 
 class MetricsLogger:
@@ -87,7 +87,7 @@ class MetricsLogger:
     @staticmethod
     def _open_truncated(path: Path, initial_step: int) -> int | None:
         """Open metrics.jsonl for appending, cut after the last whole line of a step <= `initial_step`."""
-        fd = open_fd(path, os.O_RDWR | os.O_APPEND, what="log.dir file")  # never through a link (vlmfast.safe_files)
+        fd = open_fd(path, os.O_RDWR | os.O_APPEND, what="log.dir file")  # never through a link (common.safe_files)
         keep, dropped = _lines_up_to(path, initial_step)
         if dropped:
             os.ftruncate(fd, keep)  # shrinking needs no free space

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from vlmfast.sections import SpecError
+from vlmfast.common.sections import SpecError
 
 __all__ = ["UnsafeOutputError", "ensure_dir", "library_output", "open_fd", "open_for_writing", "refuse_symlink",
            "write_atomic"]

@@ -35,8 +35,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from vlmfast.safe_files import open_fd, open_for_writing, refuse_symlink
-from vlmfast.sections import SpecError
+from vlmfast.common.safe_files import open_fd, open_for_writing, refuse_symlink
+from vlmfast.common.sections import SpecError
 
 log = logging.getLogger(__name__)
 
