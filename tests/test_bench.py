@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -25,15 +24,20 @@ EQUAL = ("start", "vlmfast", "vlmfast-defaults", "accelerate", "hf-trainer", "fa
 
 
 def _ci_configs():
-    """All CPU configurations; compile through aot_eager (dynamo still captures the graph, without inductor's
-    C++ build, which alone takes longer than this test may)."""
-    configs = []
-    for config in build_configs("cpu"):
-        if config.strategy == "compile":
-            spec = {**config.settings.spec, "compile": {"enabled": True, "backend": "aot_eager"}}
-            config = replace(config, settings=replace(config.settings, spec=spec))
-        configs.append(config)
-    return configs
+    """All CPU configurations as `bench --quick` runs them: compile through aot_eager (dynamo still captures the
+    graph, without inductor's C++ build, which alone takes minutes on 2 cores with a cold cache)."""
+    return build_configs("cpu", quick=True)
+
+
+def test_quick_configurations_build_no_cpp_kernels_and_say_so():
+    quick = {c.name: c for c in build_configs("cpu", quick=True)}
+    full = {c.name: c for c in build_configs("cpu")}
+    assert quick["vlmfast+compile"].settings.spec["compile"]["backend"] == "aot_eager"
+    assert "--quick builds no C++ kernels" in quick["vlmfast+compile"].description
+    assert full["vlmfast+compile"].settings.spec["compile"]["backend"] == "inductor"
+    cuda_quick = {c.name: c for c in build_configs("cuda", quick=True)}
+    assert cuda_quick["accelerate-best"].settings.compile and cuda_quick["accelerate-best"].settings.compile_backend \
+        == "aot_eager"
 
 
 @pytest.fixture(scope="module")

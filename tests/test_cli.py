@@ -6,7 +6,7 @@ import json
 
 import yaml
 
-from vlmfast.cli.jobs import build_spec
+from vlmfast.cli.jobs import build_spec, fields_changed_from_demo
 from vlmfast.cli.main import main
 from vlmfast.spec import TrainSpec
 
@@ -168,3 +168,31 @@ def test_an_interrupted_run_without_save_dir_does_not_print_checkpoint_none(monk
         assert main(["train"]) == 130
         err = capsys.readouterr().err
         assert f"interrupted by SIGTERM; {said}" in err and "None" not in err, err
+
+
+def test_the_demo_template_is_exactly_what_train_runs_with_no_config(tmp_path, capsys):
+    """The quickstart's "change one thing" flow starts from `vlmfast spec --demo > run.yaml`: that file trains the
+    built-in task exactly as `vlmfast train` with no config does (the defaults template trains 100 steps, not 600)."""
+    assert main(["spec", "--demo"]) == 0
+    path = tmp_path / "run.yaml"
+    path.write_text(capsys.readouterr().out)
+    from_file = build_spec(str(path), ["precision=bf16"], builtin_task=True)
+    no_config = build_spec(None, ["precision=bf16"], builtin_task=True)
+    assert from_file == no_config
+    assert fields_changed_from_demo(from_file) == []
+    assert "max_steps 100 (demo: 600)" in fields_changed_from_demo(TrainSpec())
+
+
+def test_a_failed_image_check_on_a_spec_that_is_not_the_demos_says_what_differs(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import vlmfast.cli.main
+
+    for spec, hint in ((TrainSpec(), True), (build_spec(None, ["precision=bf16"]), False)):
+        trainer = SimpleNamespace(is_main_process=True, spec=spec,
+                                  fit=lambda: SimpleNamespace(interrupted=None, eval_loss=1.2))
+        monkeypatch.setattr(vlmfast.cli.main, "_build_trainer", lambda args, t=trainer: (t, 1.0))
+        assert main(["train"]) == 0
+        err = capsys.readouterr().err
+        assert "NOT below the best a model that ignores the image can do" in err
+        assert ("max_steps 100 (demo: 600)" in err and "vlmfast spec --demo > run.yaml" in err) == hint, err

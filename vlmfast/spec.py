@@ -740,9 +740,10 @@ def check_environment(spec: TrainSpec) -> None:
     check_trackers(spec.log)  # TensorBoard, W&B, MLflow: package present, local store writable
 
 
-def defaults_yaml() -> str:
-    """A commented YAML template of every field with its default (``vlmfast spec --defaults``)."""
-    return "\n".join(_commented_fields(TrainSpec, TrainSpec().to_dict(), indent=0)) + "\n"
+def defaults_yaml(values: dict[str, Any] | None = None) -> str:
+    """A commented YAML template of every field with its default (``vlmfast spec --defaults``), or with the values
+    of a spec given as a dict (``vlmfast spec --demo``: the built-in demo's)."""
+    return "\n".join(_commented_fields(TrainSpec, TrainSpec.model_validate(values or {}).to_dict(), indent=0)) + "\n"
 
 
 def _commented_fields(model: type[BaseModel], values: dict[str, Any], indent: int) -> list[str]:

@@ -110,7 +110,7 @@ def _compare(args: argparse.Namespace, device: Any, size: str, path: Path) -> Pa
 
     workload = build_workload(size, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size)
     without = [name for name in args.without.split(",") if name]
-    configs = build_configs(device.type, without)
+    configs = build_configs(device.type, without, quick=args.quick)
     if args.configs:
         wanted = {START, *args.configs.split(",")}
         unknown = wanted - {c.name for c in configs}

@@ -62,8 +62,14 @@ class BenchConfig:
 PACK_TOKENS = {"cpu": 73, "cuda": 1024}
 
 
-def _strategies(device_type: str) -> dict[str, tuple[dict[str, Any], str]]:
+# `bench --quick` proves that every row runs, in seconds: compile with a backend that builds no C++ kernels (a cold
+# inductor cache cost ~450 s on the 2-core CPU) and a short worker autotuning.
+QUICK_COMPILE_BACKEND = "aot_eager"
+
+
+def _strategies(device_type: str, quick: bool = False) -> dict[str, tuple[dict[str, Any], str]]:
     """vlmfast spec overrides that switch on one strategy each, with the row's description."""
+    compile_backend = QUICK_COMPILE_BACKEND if quick else "inductor"
     return {
         "bf16": ({"precision": "bf16"}, "bf16 autocast"),
         "tf32": ({"tf32": True}, "TF32 matmuls (CUDA)"),
@@ -74,8 +80,10 @@ def _strategies(device_type: str) -> dict[str, tuple[dict[str, Any], str]]:
         # one window holds the whole short epoch and the run trains longest-first, which hurts the loss.
         "group_by_length": ({"data": {"group_by_length": "length", "shuffle": True}},
                             "batches of similar caption length"),
-        "compile": ({"compile": {"enabled": True}}, "torch.compile (whole model, inductor)"),
-        "workers": ({"data": {"num_workers": "auto", "autotune_budget_s": 3.0}},
+        "compile": ({"compile": {"enabled": True, "backend": compile_backend}},
+                    f"torch.compile (whole model, {compile_backend}"
+                    + (": --quick builds no C++ kernels)" if quick else ")")),
+        "workers": ({"data": {"num_workers": "auto", "autotune_budget_s": 0.5 if quick else 3.0}},
                     "DataLoader workers: auto (measured)"),
         "prefetch": ({"data": {"device_prefetch": True}}, "next batch loaded (and copied) in the background"),
         "checkpointing": ({"activation_checkpointing": {"enabled": True}},
@@ -113,12 +121,12 @@ def best_set(device_type: str, without: Collection[str] = ()) -> list[str]:
     return [name for name in BEST[device_type] if name not in without]
 
 
-def best_spec(device_type: str, without: Collection[str] = ()) -> dict[str, Any]:
+def best_spec(device_type: str, without: Collection[str] = (), quick: bool = False) -> dict[str, Any]:
     """The spec overrides of vlmfast's best configuration on `device_type` ("cpu" or "cuda"), less `without`."""
     from vlmfast.bench.runners import _deep_merge
 
     spec: dict[str, Any] = {}
-    strategies = _strategies(device_type)
+    strategies = _strategies(device_type, quick)
     best = best_set(device_type, without)
     for name in best:
         spec = _deep_merge(spec, strategies[name][0])
@@ -133,12 +141,14 @@ def _manual_workers(device_type: str) -> int:
     return min(8, cpus // 2) if device_type == "cuda" else 0
 
 
-def build_configs(device_type: str, without: Collection[str] = ()) -> list[BenchConfig]:
+def build_configs(device_type: str, without: Collection[str] = (), quick: bool = False) -> list[BenchConfig]:
     """Every configuration for a device type ("cpu" or "cuda"), in run order; the best rows (vlmfast's and the other
-    tools') leave out the strategies in `without`."""
+    tools') leave out the strategies in `without`; `quick` (``bench --quick``): compile rows use
+    :data:`QUICK_COMPILE_BACKEND`."""
     best = best_set(device_type, without)
     loop_best = Settings(precision="bf16" if "bf16" in best else "fp32", attention="sdpa" if "sdpa" in best else
                          "eager", compile="compile" in best, tf32="tf32" in best,
+                         compile_backend=QUICK_COMPILE_BACKEND if quick else "inductor",
                          num_workers=_manual_workers(device_type) if "workers" in best else 0)
     what = (f"{loop_best.precision}, {loop_best.attention} attention, compile {'on' if loop_best.compile else 'off'}"
             f", {loop_best.num_workers} workers")
@@ -150,11 +160,11 @@ def build_configs(device_type: str, without: Collection[str] = ()) -> list[Bench
                     "same, with the defaults' start-up costs: FLOPs measured per new batch shape, leak census at "
                     "step 30"),
     ]
-    for name, (spec, description) in _strategies(device_type).items():
+    for name, (spec, description) in _strategies(device_type, quick).items():
         configs.append(BenchConfig(f"vlmfast+{name}", "vlmfast", Settings(spec=spec), "strategy", description,
                                    strategy=name, cuda_only=name == "tf32"))
     configs += [
-        BenchConfig("vlmfast-best", "vlmfast", Settings(spec=best_spec(device_type, without)), "best",
+        BenchConfig("vlmfast-best", "vlmfast", Settings(spec=best_spec(device_type, without, quick)), "best",
                     "vlmfast: " + " + ".join(best)),
         BenchConfig("accelerate", "accelerate", Settings(), "equal", "Accelerate loop, starting point's settings"),
         BenchConfig("accelerate-best", "accelerate", loop_best, "best", f"Accelerate: {what}"),

@@ -52,6 +52,7 @@ class Settings:
     precision: str = "fp32"
     attention: str = "eager"  # the model's attention backend at start (vlmfast may switch it through its spec)
     compile: bool = False
+    compile_backend: str = "inductor"  # `bench --quick`: aot_eager, which builds no C++ kernels
     num_workers: int = 0
     tf32: bool = False
     group_by_length: bool = False
@@ -203,7 +204,7 @@ def hand_written(workload: Workload, settings: Settings, device: torch.device) -
     with MemoryWatch(device) as memory, _tf32(settings.tf32):
         model = workload.build_model(settings.attention).to(device).train()
         optimizer = _fused_adamw(model, workload, device)
-        step_model = torch.compile(model) if settings.compile else model
+        step_model = torch.compile(model, backend=settings.compile_backend) if settings.compile else model
         recorder.start()
         for batch in _loader(workload, settings, device):
             recorder.batch(batch)
@@ -311,7 +312,7 @@ def accelerate_loop(workload: Workload, settings: Settings, device: torch.device
     recorder = StepRecorder(workload, device)
     with MemoryWatch(device) as memory, _tf32(settings.tf32):
         accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=_LOOP_PRECISION["accelerate"][
-            settings.precision], dynamo_backend="inductor" if settings.compile else "no")
+            settings.precision], dynamo_backend=settings.compile_backend if settings.compile else "no")
         model = workload.build_model(settings.attention)
         optimizer = _fused_adamw(model.to(device), workload, device)
         step_model, optimizer, loader = accelerator.prepare(model, optimizer, _loader(workload, settings, device))
@@ -342,7 +343,8 @@ def fabric_loop(workload: Workload, settings: Settings, device: torch.device) ->
         model = workload.build_model(settings.attention)
         optimizer = _fused_adamw(model.to(fabric.device), workload, device)
         # Fabric's documented order: compile first, setup re-applies the compilation to its wrapper.
-        step_model, optimizer = fabric.setup(torch.compile(model) if settings.compile else model, optimizer)
+        step_model, optimizer = fabric.setup(
+            torch.compile(model, backend=settings.compile_backend) if settings.compile else model, optimizer)
         loader = fabric.setup_dataloaders(_loader(workload, settings, device))
         step_model.train()
         recorder.start()
@@ -431,5 +433,6 @@ def _training_arguments(workload: Workload, settings: Settings, device: torch.de
         dataloader_persistent_workers=settings.num_workers > 0, dataloader_pin_memory=device.type == "cuda",
         train_sampling_strategy="group_by_length" if settings.group_by_length else "sequential",
         bf16=settings.precision == "bf16", fp16=settings.precision == "fp16", tf32=settings.tf32 or None,
-        torch_compile=settings.compile, auto_find_batch_size=settings.auto_find_batch_size,
+        torch_compile=settings.compile, torch_compile_backend=settings.compile_backend if settings.compile else None,
+        auto_find_batch_size=settings.auto_find_batch_size,
     )

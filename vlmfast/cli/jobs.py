@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DEFAULT_TASK", "DEMO_SPEC", "DEMO_TASK_SPEC", "TaskJob", "add_job_arguments", "build_spec", "load_task",
-           "run_task", "task_job"]
+__all__ = ["DEFAULT_TASK", "DEMO_SPEC", "DEMO_TASK_SPEC", "TaskJob", "add_job_arguments", "build_spec",
+           "demo_spec_dict", "fields_changed_from_demo", "load_task", "run_task", "task_job"]
 
 # The built-in demo: enough steps on CPU for the loss to drop well below what a text-only model can reach.
 DEMO_SPEC: dict[str, Any] = {
@@ -38,6 +38,30 @@ DEMO_SPEC: dict[str, Any] = {
 # (benchmarks/profiling_overhead.py). Not for --task jobs on the demo spec: their data may not be worth a thread.
 DEMO_TASK_SPEC: dict[str, Any] = {"data": {"device_prefetch": True}}
 DEFAULT_TASK = "vlmfast.models:build_tiny_vlm_task"
+# The fields that decide what the demo learns (not how fast): a spec that changes them may miss the demo's image check
+DEMO_OUTCOME_FIELDS = ("max_steps", "batch_size", "seed", "optimizer", "scheduler", "grad_clip")
+
+
+def demo_spec_dict() -> dict[str, Any]:
+    """The spec `vlmfast train` runs with no config on the built-in task, as a plain dict (a fresh copy)."""
+    return json.loads(json.dumps({**DEMO_SPEC, **DEMO_TASK_SPEC}))
+
+
+def fields_changed_from_demo(spec: Any) -> list[str]:
+    """Of :data:`DEMO_OUTCOME_FIELDS`, the dotted fields whose value in `spec` is not the demo's, as 'field value
+    (demo: value)'. Usage: ``fields_changed_from_demo(trainer.spec)  # ['max_steps 100 (demo: 600)']``"""
+    from vlmfast.spec import TrainSpec
+
+    def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    demo = flat(TrainSpec.model_validate(demo_spec_dict()).to_dict())
+    mine = flat(spec.to_dict())
+    return [f"{key} {mine.get(key)} (demo: {demo[key]})" for key in demo
+            if key.split(".")[0] in DEMO_OUTCOME_FIELDS and mine.get(key) != demo[key]]
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ Usage::
     vlmfast find-batch-size run.yaml       # the largest micro-batch that fits, all state restored
     vlmfast estimate-memory --model llava-1.5-7b --gpu-gb 24   # will it fit, and the cheapest changes
     vlmfast spec --defaults > run.yaml     # a commented template of every field
+    vlmfast spec --demo > run.yaml         # the same, with the demo's values (`vlmfast train` with no config)
     vlmfast spec --schema                  # the JSON schema
     vlmfast spec --check run.yaml          # validate a spec without running anything
     vlmfast doctor run.yaml                # profile a few steps: what is slow and which flag to turn on next
@@ -24,7 +25,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from vlmfast.cli.jobs import DEFAULT_TASK, add_job_arguments, build_spec, run_task  # torch-free: argparse, yaml
+from vlmfast.cli.jobs import (  # torch-free: argparse, yaml
+    DEFAULT_TASK,
+    DEMO_SPEC,
+    add_job_arguments,
+    build_spec,
+    fields_changed_from_demo,
+    run_task,
+)
 
 __all__ = ["main"]
 
@@ -91,6 +99,8 @@ def _parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     group = spec.add_mutually_exclusive_group(required=True)
     group.add_argument("--schema", action="store_true", help="the JSON schema of the spec")
     group.add_argument("--defaults", action="store_true", help="a commented YAML template with every default")
+    group.add_argument("--demo", action="store_true", help="the same template with the built-in demo's values (what "
+                       "`vlmfast train` runs with no config): the starting point for changing one thing")
     group.add_argument("--check", metavar="FILE", help="validate a spec file and print it resolved")
     spec.set_defaults(run=_cmd_spec)
     return parser
@@ -107,6 +117,11 @@ def _cmd_spec(args: argparse.Namespace) -> int:
         print(json.dumps(TrainSpec.model_json_schema(), indent=2))
     elif args.defaults:
         print(defaults_yaml(), end="")
+    elif args.demo:
+        from vlmfast.cli.jobs import demo_spec_dict
+
+        print("# the built-in demo's spec: `vlmfast train` with no config runs exactly this\n"
+              + defaults_yaml(demo_spec_dict()), end="")
     else:
         spec = TrainSpec.from_file(args.check)
         print(yaml.safe_dump(spec.to_dict(), sort_keys=False), end="")
@@ -156,6 +171,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         verdict = "below" if result.eval_loss < baseline else "NOT below"
         print(f"held-out loss {result.eval_loss:.4f} vs text-only baseline {baseline:.4f}: {verdict} the best a "
               "model that ignores the image can do", file=sys.stderr)
+        if result.eval_loss >= baseline and (changed := fields_changed_from_demo(trainer.spec)):
+            print(f"  this run's spec is not the demo's ({'; '.join(changed)}): the demo's {DEMO_SPEC['max_steps']} "
+                  "steps are what reach the check; start from `vlmfast spec --demo > run.yaml`", file=sys.stderr)
     return 0
 
 
