@@ -12,8 +12,9 @@ import pytest
 from _faults import make_spec, train
 from conftest import TinyCausalLM, TokenDataset
 
-from vlmfast import OptimizedTrainer, SpecError, tracking
+from vlmfast import OptimizedTrainer, SpecError
 from vlmfast.cli.main import main
+from vlmfast.reporting import tracking
 from vlmfast.reporting.tracking import TrackerError, open_trackers
 
 
