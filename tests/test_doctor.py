@@ -125,6 +125,32 @@ def test_spec_changes_are_validated_and_errors_name_the_field() -> None:
         doctor_spec(SPEC, steps=2)
 
 
+def test_lora_is_advised_when_full_fine_tuning_states_fill_the_memory_and_its_share_reported_when_on() -> None:
+    from vlmfast.profiling.doctor import model_state_estimates
+
+    pytest.importorskip("peft")
+    from conftest import tiny_llava
+
+    full, lora = model_state_estimates(tiny_llava(text_hidden=64), SPEC)  # the estimator on meta copies
+    assert 0 < lora < 0.5 * full  # a tiny model: its adapters and frozen weights are a large share
+    ev = _evidence(forward=40, backward=50, optimizer=10)
+    ev.device, ev.device_memory_gb, ev.peak_memory_gb = "cuda", 80.0, 76.0  # 95%: close to OOM
+    ev.trainable_params = ev.total_params = 7_000_000_000
+    ev.model_state_gb, ev.lora_model_state_gb = 60.0, 14.0
+    finding = {f.key: f for f in diagnose(ev)}["lora"]
+    assert finding.change == {"lora.enabled": True} and with_changes(SPEC, finding.change).lora.enabled
+    assert "7.00B of 7.00B parameters train (100%)" in finding.evidence
+    assert "~14.00 GiB with LoRA r 8" in finding.evidence
+    assert not finding.trial  # a different training: never timed as a speed flag
+    assert [t.label for t in one_flag_at_a_time(lambda spec: ev, SPEC, [finding])] == ["baseline"]
+    ev.model_state_gb = 20.0  # activations fill the memory: LoRA would not help much
+    assert "lora" not in {f.key for f in diagnose(ev)}
+    on = _evidence(forward=40, backward=50)
+    on.spec = with_changes(SPEC, {"lora.enabled": True})
+    on.trainable_params, on.total_params = 20_000_000, 7_000_000_000
+    assert "LoRA r 8: 20,000,000 of 7,000,000,000 parameters train (0.29%)" in format_findings([], on)
+
+
 def test_one_flag_at_a_time_measures_each_change_alone() -> None:
     calls = []
 

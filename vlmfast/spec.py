@@ -46,6 +46,9 @@ def _check_backend(spec: TrainSpec) -> None:
                          "micro_batch_size, or activation_checkpointing / ZeRO offload for headroom")
     if spec.ddp.comm_hook != "none":
         raise ValueError(f"ddp.comm_hook is a DDP feature and does nothing with {name}: set ddp.comm_hook: none")
+    if spec.lora.quantize != "none":
+        raise ValueError(f"lora.quantize: {spec.lora.quantize} is not supported with {name} (sharding bitsandbytes' "
+                         "4-bit weights is untested here): use engine: ddp (one GPU or DDP), or lora.quantize: none")
     if spec.engine == "deepspeed" and spec.loss.on_nonfinite == "skip" and spec.precision != "fp16":
         raise ValueError("loss.on_nonfinite: skip needs precision fp16 with engine: deepspeed (DeepSpeed's loss "
                          "scaler skips overflowing steps; other steps are reduced before vlmfast sees them): "
@@ -609,6 +612,10 @@ class TrainSpec(Section):
             )
         if self.log.tensorboard and self.log.dir is None:
             raise ValueError("log.tensorboard needs log.dir: set log.dir to a folder")
+        if self.lora.quantize != "none" and self.save.export.merge:
+            raise ValueError(f"save.export.merge with lora.quantize: {self.lora.quantize} would fold the adapters "
+                             "into rounded 4-bit weights: export the adapter folder (save.export.merge: false) and "
+                             "merge it onto the full-precision base")
         _check_backend(self)
         return self
 
@@ -723,13 +730,15 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def check_environment(spec: TrainSpec) -> None:
-    """Fail before any work when the machine cannot run the spec (fp16 or a CUDA device without CUDA, a save.dir,
-    save.export.dir, log.dir or tracker store that cannot be written, a tracker's package missing)."""
+    """Fail before any work when the machine cannot run the spec (fp16, lora.quantize or a CUDA device without CUDA,
+    lora.quantize without bitsandbytes, a save.dir, save.export.dir, log.dir or tracker store that cannot be written,
+    a tracker's package missing)."""
     import torch
 
     from vlmfast.checkpoints.save_dir import check_output_dirs
     from vlmfast.common.utils import resolve_device
     from vlmfast.reporting.tracking import check_trackers
+    from vlmfast.strategies.lora import quantize_refusal
 
     check_output_dirs(spec)
     device = resolve_device(spec.device)
@@ -737,6 +746,8 @@ def check_environment(spec: TrainSpec) -> None:
         raise SpecError(f"device '{spec.device}': CUDA is not available on this machine; use device: auto or cpu")
     if spec.precision == "fp16" and device.type != "cuda":
         raise SpecError("precision 'fp16' needs a CUDA device (autocast + GradScaler); on CPU use precision: bf16")
+    if refusal := quantize_refusal(spec.lora, device):
+        raise SpecError(refusal)
     check_trackers(spec.log)  # TensorBoard, W&B, MLflow: package present, local store writable
 
 

@@ -40,11 +40,15 @@ def export_model(model: nn.Module, directory: str | Path, *, merge: bool = False
     """Write ``model`` into ``directory`` (see the module doc); returns the folder. The model itself is unchanged
     (a merge runs on a copy)."""
     from vlmfast.common.utils import unwrap_model
-    from vlmfast.strategies.lora import is_peft_model
+    from vlmfast.strategies.lora import is_peft_model, is_quantized
 
+    model = unwrap_model(model)
+    if merge and is_peft_model(model) and is_quantized(model):
+        raise ValueError("merge=True on a 4-bit base (lora.quantize) would fold the adapters into rounded 4-bit "
+                         "weights: export the adapter folder (merge=False) and merge it onto the full-precision base "
+                         "(PeftModel.from_pretrained(base, folder).merge_and_unload())")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model = unwrap_model(model)
     if is_peft_model(model):
         if merge:
             merged = _plain_forward(copy.deepcopy(model)).merge_and_unload()

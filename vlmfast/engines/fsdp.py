@@ -38,6 +38,7 @@ def shard_model(model: nn.Module, spec: FSDPSpec, precision: str) -> nn.Module:
                         "use precision: bf16")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
+    broadcast_from_rank0(model)
     blocks = _blocks(model, spec.blocks)
     for block in blocks:
         fully_shard(block, mp_policy=policy, reshard_after_forward=spec.reshard_after_forward)
@@ -45,6 +46,22 @@ def shard_model(model: nn.Module, spec: FSDPSpec, precision: str) -> nn.Module:
     fully_shard(model, mp_policy=policy, reshard_after_forward=False)
     model.fsdp_units = len(blocks) + 1  # for describe()
     return model
+
+
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, before sharding. ``fully_shard`` keeps each rank's own slice of
+    its local tensor (FSDP2 has no ``sync_module_states``), so weights that differ across ranks - LoRA adapters,
+    initialised after the trainer seeds each rank differently - would silently make a model no rank built. DDP and
+    DeepSpeed (``DeepSpeedEngine._broadcast_model``) broadcast from rank 0 too. Bytes, so any dtype crosses gloo."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            continue
+        data = tensor.data.contiguous()  # itself when contiguous
+        torch.distributed.broadcast(data.reshape(-1).view(torch.uint8), src=0)
+        if data.data_ptr() != tensor.data.data_ptr():
+            tensor.data.copy_(data)
 
 
 def _blocks(model: nn.Module, patterns: list[str]) -> list[nn.Module]:

@@ -11,7 +11,8 @@ The rules follow the reference decision tree ("measure first"), in this order of
 for data (data wait, host-to-device copy)? Is the step dominated by communication? Inside compute: does attention
 take the time (memory-bandwidth bound: SDPA/flash), are matmuls off the tensor cores (fp32: bf16/TF32), are
 host-device syncs stalling the queue, is compute spent on padding (packing/grouping)? And memory: is there headroom
-for a larger micro-batch (or no checkpointing), or is the run close to OOM (checkpointing, ZeRO)? Each finding
+for a larger micro-batch (or no checkpointing), or is the run close to OOM (checkpointing, ZeRO; LoRA when full
+fine-tuning's weights, gradients and optimizer states are most of the memory)? Each finding
 carries its measured evidence and the part of the step time at stake, which ranks the findings. Everything here is
 a pure function of per-step metrics (the PhaseTimer's ``perf/*``, the trainer's ``mem/*``, ``tokens``) plus run
 facts, so it is testable without a device.
@@ -41,6 +42,8 @@ ATTENTION_MIN = 0.15
 PADDING_MIN = 0.20
 HEADROOM_MAX = 0.50  # peak below this share of device memory: room for a larger micro-batch
 OOM_RISK_MIN = 0.90  # peak above this share: one longer batch away from OOM
+LORA_TRAINABLE_MIN = 0.5  # LoRA is proposed when at least this share of the parameters trains...
+LORA_STATE_MIN = 0.5  # ...and their weights, gradients and optimizer states are at least this share of the peak
 
 
 @dataclass
@@ -65,6 +68,10 @@ class Evidence:
     tokens_per_micro_batch: float | None = None  # padded tokens a micro-batch holds now
     length_spread: float | None = None  # longest / median sample length in a few batches
     packing_refused: str | None = None  # why packing would be refused for this model and data (None: it packs)
+    trainable_params: int | None = None  # parameters that train (a LoRA run: adapters and modules_to_save)
+    total_params: int | None = None
+    model_state_gb: float | None = None  # estimated weights + gradients + optimizer states, as the run trains
+    lora_model_state_gb: float | None = None  # the same with LoRA adapters of rank spec.lora.r (the estimator)
 
 
     @classmethod
@@ -114,6 +121,7 @@ class Finding:
     change: dict[str, Any] = field(default_factory=dict)  # dotted spec overrides (empty: a code change)
     advice: str = ""
     measured: str = ""  # doctor --apply: the change's measured gain (rank_findings)
+    trial: bool = True  # doctor --apply times the change; False: it changes what is trained (LoRA), not a speed flag
 
     def to_text(self, rank: int | None = None) -> str:
         head = f"{rank}. " if rank is not None else ""
@@ -165,7 +173,7 @@ def diagnose(evidence: Evidence) -> list[Finding]:
         raise ValueError("doctor: no timed steps to diagnose; run more steps than profile.warmup_steps with "
                          "profile.timing: true")
     rules = (_data_loading, _host_to_device, _communication, _attention, _precision, _host_syncs, _padding,
-             _token_budget, _vision_tower, _oom_risk, _logits_memory, _memory_headroom, _compile)
+             _token_budget, _vision_tower, _oom_risk, _lora, _logits_memory, _memory_headroom, _compile)
     findings = [finding for rule in rules if (finding := rule(evidence)) is not None]
     return sorted(findings, key=lambda f: f.at_stake, reverse=True)
 
@@ -383,6 +391,36 @@ def _oom_risk(ev: Evidence) -> Finding | None:
                    "estimate-memory` shows which part to shrink")
 
 
+def _lora(ev: Evidence) -> Finding | None:
+    """Close to OOM with most parameters training, their states most of the peak: LoRA trains adapters instead."""
+    used = _memory_fraction(ev)
+    if (used is None or used < OOM_RISK_MIN or _spec_value(ev.spec, "lora.enabled") is not False
+            or not ev.trainable_params or not ev.total_params or ev.model_state_gb is None
+            or ev.lora_model_state_gb is None or ev.peak_memory_gb is None):
+        return None
+    share = ev.trainable_params / ev.total_params
+    if share < LORA_TRAINABLE_MIN or ev.model_state_gb < LORA_STATE_MIN * ev.peak_memory_gb:
+        return None
+    change = _first_valid(ev.spec, [{"lora.enabled": True}])
+    if not change:
+        return None
+    r = ev.spec.lora.r
+    saved = max(ev.model_state_gb - ev.lora_model_state_gb, 0.0)
+    return Finding("lora", "Full fine-tuning's weights, gradients and optimizer states fill the memory",
+                   0.5 * min(saved / ev.peak_memory_gb, 1.0) + 0.2,
+                   f"{_billions(ev.trainable_params)} of {_billions(ev.total_params)} parameters train ({share:.0%}); "
+                   f"peak {ev.peak_memory_gb:.2f} GiB of {ev.device_memory_gb:.2f} GiB ({used:.0%}); weights, "
+                   f"gradients and optimizer states ~{ev.model_state_gb:.2f} GiB, ~{ev.lora_model_state_gb:.2f} GiB "
+                   f"with LoRA r {r} (the estimator, unsharded: vlmfast estimate-memory --lora-r {r})", change,
+                   "a different training, not a speed flag (doctor --apply does not time it): low-rank adapters on the "
+                   "frozen language model (pip install 'vlmfast[lora]'); lora.modules_to_save: [your projector] "
+                   "trains it fully; compare the quality on your evaluation (docs/lora.md)", trial=False)
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+
+
 def _memory_headroom(ev: Evidence) -> Finding | None:
     used = _memory_fraction(ev)
     if used is None or used >= HEADROOM_MAX:
@@ -433,6 +471,9 @@ def format_findings(findings: Sequence[Finding], evidence: Evidence) -> str:
     lines = [f"step time p50 {evidence.step_ms:.1f} ms over {len(evidence.samples)} timed steps: {split}"]
     if evidence.mfu is not None:
         lines.append(f"MFU {evidence.mfu:.1%}")
+    if _spec_value(evidence.spec, "lora.enabled") and evidence.trainable_params and evidence.total_params:
+        lines.append(f"LoRA r {evidence.spec.lora.r}: {evidence.trainable_params:,} of {evidence.total_params:,} "
+                     f"parameters train ({evidence.trainable_params / evidence.total_params:.2%})")
     if not findings:
         lines.append("no bottleneck stands out: the step is compute-bound and no flag is predicted to help")
     lines += [finding.to_text(rank) for rank, finding in enumerate(findings, 1)]
@@ -480,6 +521,10 @@ def collect_evidence(trainer: Any, result: Any) -> Evidence:
     head = getattr(trainer.engine.module, "get_output_embeddings", lambda: None)()
     weight = getattr(head, "weight", None)
     tokens, spread = peek_lengths(trainer.loader, trainer.spec.resolved_micro_batch_size)
+    model = trainer.engine.module
+    params = list(model.parameters())
+    states = model_state_estimates(model, trainer.spec) \
+        if cuda and not trainer.spec.lora.enabled and not trainer.engine.shards_parameters else None
     return Evidence.from_history(
         history, trainer.spec, device=device.type, world_size=trainer.world_size,
         peak_memory_gb=result.report.peak_memory_gb,
@@ -489,7 +534,42 @@ def collect_evidence(trainer: Any, result: Any) -> Evidence:
         vision_frozen=_vision_frozen(trainer.engine.module),
         vocab_size=int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
         tokens_per_micro_batch=tokens, length_spread=spread, packing_refused=packing_refusal(trainer),
+        trainable_params=sum(p.numel() for p in params if p.requires_grad), total_params=sum(p.numel() for p in params),
+        model_state_gb=states[0] if states else None, lora_model_state_gb=states[1] if states else None,
     )
+
+
+def model_state_estimates(model: Any, spec: TrainSpec) -> tuple[float, float] | None:
+    """Weights, gradients and optimizer states in GiB (one GPU, unsharded) of ``model`` as it trains now, and with
+    LoRA adapters of rank ``spec.lora.r`` on ``spec.lora.towers``: the estimator on meta-device copies (nothing
+    allocated). None when the model cannot be adapted (peft missing, no input embedding to find the language model
+    by)."""
+    import copy
+
+    import torch
+
+    from vlmfast.memory.estimator import estimate_memory
+    from vlmfast.memory.stats import GB
+    from vlmfast.strategies.lora import LoRASpec, apply_lora
+
+    def meta_copy() -> Any:  # the module tree again, every tensor on the meta device
+        memo: dict[int, Any] = {}
+        for tensor in [*model.parameters(), *model.buffers()]:
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) \
+                if isinstance(tensor, torch.nn.Parameter) else meta
+        return copy.deepcopy(model, memo)
+
+    def state_bytes(meta: Any) -> int:  # model states only: a probe that runs nothing measures no activations
+        return estimate_memory(meta, precision=spec.precision, optimizer=spec.optimizer.name,
+                               activation_probe=lambda micro_batch_size: None).model_state_bytes
+
+    try:
+        full = state_bytes(meta_copy())
+        lora = state_bytes(apply_lora(meta_copy(), LoRASpec(enabled=True, r=spec.lora.r, towers=spec.lora.towers)))
+    except Exception:  # an optional figure: a model the copy or the estimator cannot take leaves the rule out
+        return None
+    return full / GB, lora / GB
 
 
 def packing_refusal(trainer: Any) -> str | None:
@@ -606,7 +686,7 @@ def one_flag_at_a_time(run: Callable[[TrainSpec], Evidence], spec: TrainSpec, fi
                      run_steps=steps)
     trials = [base]
     for finding in findings:
-        if not finding.change:
+        if not finding.change or not finding.trial:
             continue
         label = ", ".join(_set_args(finding.change))
         try:

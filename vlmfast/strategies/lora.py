@@ -10,6 +10,11 @@ embedding a probe batch's token ids reach) together with layers to adapt. Module
 (e.g. the projector) train fully; everything else is frozen. A model the user already wrapped with PEFT is used as
 it is.
 
+``quantize: 4bit`` is QLoRA: the frozen Linear layers all-linear would adapt are stored in 4 bits through bitsandbytes
+(``quant_type``, ``double_quant``, ``compute_dtype``: ``BitsAndBytesConfig``'s ``bnb_4bit_*`` fields), on CUDA only.
+A model loaded with ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` is already
+quantized and used as it is.
+
 Usage in a hand-written loop::
 
     model = apply_lora(model, LoRASpec(enabled=True, r=8, modules_to_save=["multi_modal_projector"]))
@@ -19,22 +24,26 @@ Usage in a hand-written loop::
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
+from pydantic import model_validator
 from torch import nn
 
-from vlmfast.common.sections import Field, Section
+from vlmfast.common.sections import Field, Section, SpecError
 from vlmfast.strategies.base import Strategy
 
-__all__ = ["LoRA", "LoRASpec", "apply_lora", "frozen_fingerprint", "is_peft_model", "lora_target_modules",
-           "require_peft"]
+__all__ = ["LoRA", "LoRASpec", "apply_lora", "frozen_fingerprint", "is_peft_model", "is_quantized",
+           "lora_target_modules", "quantize_4bit", "quantize_refusal", "require_peft"]
 
 log = logging.getLogger(__name__)
 
 Tower = Literal["language", "vision"]
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class LoRASpec(Section):
@@ -52,6 +61,21 @@ class LoRASpec(Section):
         "it: the vision tower, the projector)"))
     modules_to_save: list[str] = Field(default_factory=list, description="modules trained fully next to the "
                                        "adapters, e.g. [multi_modal_projector]")
+    quantize: Literal["none", "4bit"] = Field("none", description=(
+        "4bit: QLoRA, the frozen Linear layers of the towers above stored in 4 bits (bitsandbytes' Linear4bit, as "
+        "transformers' load_in_4bit); needs CUDA and pip install bitsandbytes"))
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type (bnb_4bit_quant_type)")
+    double_quant: bool = Field(True, description="quantize the quantization constants too (bnb_4bit_use_double_quant)")
+    compute_dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description=(
+        "dtype of the 4-bit layers' matmul for fp16 inputs (bnb_4bit_compute_dtype; bitsandbytes computes fp32 and "
+        "bf16 inputs in their own dtype)"))
+
+    @model_validator(mode="after")
+    def _check_quantize(self) -> LoRASpec:
+        if self.quantize != "none" and not self.enabled:
+            raise ValueError(f"lora.quantize: {self.quantize} quantizes the frozen base under LoRA adapters: set "
+                             "lora.enabled: true, or lora.quantize: none")
+        return self
 
 
 def require_peft() -> Any:
@@ -62,6 +86,69 @@ def require_peft() -> Any:
         raise ImportError("lora.enabled needs peft: pip install 'vlmfast[lora]' (or pip install peft), or turn "
                           "lora.enabled off") from exc
     return peft
+
+
+def quantize_refusal(spec: LoRASpec, device: torch.device | str) -> str | None:
+    """Why ``spec.quantize`` cannot run on ``device`` here, or None: said before any work (``check_environment``)."""
+    if spec.quantize == "none":
+        return None
+    device = torch.device(device)
+    missing = [f"the device is {device.type}"] if device.type != "cuda" else []
+    if importlib.util.find_spec("bitsandbytes") is None:
+        missing.append("bitsandbytes is not installed")
+    if not missing:
+        return None
+    return (f"lora.quantize: {spec.quantize} (QLoRA) needs a CUDA device and bitsandbytes (pip install "
+            f"bitsandbytes), but {' and '.join(missing)}: run it on a GPU, or set lora.quantize: none to train the "
+            "adapters on the full-precision base")
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether ``model``'s base is k-bit (transformers' and :func:`quantize_4bit`'s ``is_loaded_in_4bit``/``8bit``)."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def quantize_4bit(model: nn.Module, names: Iterable[str], spec: LoRASpec) -> nn.Module:
+    """The ``nn.Linear`` layers ``names`` of ``model`` (on a CUDA device) as bitsandbytes ``Linear4bit``, in place.
+
+    What ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`` does while it loads,
+    done on a model already in memory with the same functions: ``Bnb4BitHfQuantizer._process_model_before_weight_
+    loading`` calls ``transformers.integrations.bitsandbytes.replace_with_bnb_linear`` (every other Linear named in
+    ``modules_to_not_convert``), which puts empty ``bnb.nn.Linear4bit`` layers on the meta device; then, per weight,
+    ``Bnb4bitQuantize.convert`` builds ``bnb.nn.Params4bit(value, requires_grad=False, **meta_param.__dict__)`` and
+    ``.to(device)`` quantizes it (``Params4bit._quantize``); ``_process_model_after_weight_loading`` sets
+    ``is_loaded_in_4bit``, which PEFT reads to give the adapters bitsandbytes' LoRA layers (``dispatch_bnb_4bit``).
+    Usage: ``quantize_4bit(model.cuda(), lora_target_modules(model), LoRASpec(enabled=True, quantize="4bit"))``"""
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.pytorch_utils import Conv1D
+
+    chosen = set(names)
+    originals = {name: (m.weight, m.bias) for name, m in model.named_modules()
+                 if name in chosen and type(m) is nn.Linear}  # what replace_with_bnb_linear converts (or a Conv1D)
+    if not originals:
+        raise ValueError("lora.quantize: no nn.Linear layer to quantize")
+    device = next(iter(originals.values()))[0].device
+    if refusal := quantize_refusal(spec, device):
+        raise SpecError(refusal)
+    import bitsandbytes as bnb
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=spec.quant_type,
+                                bnb_4bit_use_double_quant=spec.double_quant,
+                                bnb_4bit_compute_dtype=COMPUTE_DTYPES[spec.compute_dtype])
+    # Patterns (transformers' should_convert_module): escaped, so a name matches itself and nothing else
+    keep = [re.escape(name) for name, m in model.named_modules()
+            if name not in originals and (type(m) is nn.Linear or isinstance(m, Conv1D))]
+    replace_with_bnb_linear(model, modules_to_not_convert=keep, quantization_config=config)
+    for name, (weight, bias) in originals.items():
+        layer = model.get_submodule(name)
+        layer.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, **layer.weight.__dict__).to(device)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.data, requires_grad=False)
+    model.is_loaded_in_4bit = True
+    log.info("lora.quantize: %d Linear layers in 4 bits (%s%s)", len(originals), spec.quant_type,
+             ", double quantization" if spec.double_quant else "")
+    return model
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -132,8 +219,17 @@ def apply_lora(model: nn.Module, spec: LoRASpec, probe_batch: Callable[[], Any] 
         return model
     peft = require_peft()
     targets: Any = spec.target_modules
+    linear = None
+    if targets == "all-linear" or spec.quantize != "none":
+        linear = lora_target_modules(model, spec.towers, spec.modules_to_save, probe_batch)
     if targets == "all-linear":
-        targets = lora_target_modules(model, spec.towers, spec.modules_to_save, probe_batch)
+        targets = linear
+    if spec.quantize == "4bit" and not is_quantized(model):
+        quantize_4bit(model, linear, spec)
+    if is_quantized(model):
+        # PEFT's QLoRA preparation (peft.utils.other.prepare_model_for_kbit_training): freeze the base, float32 for
+        # its fp16/bf16 layers (norms, embeddings) but the 4-bit ones. Activation checkpointing stays the spec's.
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     config = peft.LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
                              modules_to_save=list(spec.modules_to_save) or None)
     return peft.get_peft_model(model, config)
@@ -184,4 +280,6 @@ class LoRA(Strategy):
         targets = self.spec.target_modules
         where = f"{targets} on {'+'.join(self.spec.towers)}" if isinstance(targets, str) else f"{len(targets)} modules"
         how = "the user's PEFT model" if self.given else f"r {self.spec.r}, alpha {self.spec.alpha:g}, {where}"
+        if self.spec.quantize != "none" and not self.given:
+            how += f", base in {self.spec.quantize} ({self.spec.quant_type})"
         return f"lora: {how}; {trainable:,} of {total:,} parameters train ({trainable / max(total, 1):.2%})"
