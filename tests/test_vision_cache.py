@@ -15,7 +15,7 @@ from vlmfast.features import FeatureStore, KeyedCollate, check_deterministic
 from vlmfast.features.cache import FeatureCache
 from vlmfast.features.keys import KEYS_FIELD, FlatKeys, batch_image_keys
 from vlmfast.models import build_tiny_vlm_task
-from vlmfast.models.tiny_vlm import TinyVLMConfig
+from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig
 from vlmfast.strategies.registry import BuildContext, build_strategies
 from vlmfast.strategies.vision_cache import VisionCache, cache_vision_features
 
@@ -532,3 +532,58 @@ def test_every_field_takes_effect(tmp_path):
     pixels, target = torch.rand(4, 3, 8, 8), torch.rand(4)
     assert torch.equal(custom(pixels, target), custom(pixels, target)) and named.stats.hits == 4
     assert named.unit.name == "eyes.forward"
+    named.remove()
+    # or a probe forward finds it: the module the images flow into first (the trainer passes its first samples)
+    probed = cache_vision_features(custom, tmp_path / "e", probe_batches=[{"pixel_values": pixels, "target": target}])
+    assert probed.unit.name == "eyes.forward" and probed.unit.modules == {"eyes": custom.eyes}
+    probed.remove()
+
+
+class _EyesVLM(TinyVLM):
+    """The tiny VLM with its tower under an attribute no list of names holds: ``eyes`` (its own code calls it so)."""
+
+    def __init__(self, config: TinyVLMConfig | None = None) -> None:
+        super().__init__(config)
+        self._modules = {("eyes" if k == "vision_tower" else k): v for k, v in self._modules.items()}
+
+    @property
+    def vision_tower(self) -> torch.nn.Module:  # what TinyVLM's forward calls: the module registered as `eyes`
+        return self._modules["eyes"]
+
+
+def test_a_tower_with_an_unusual_name_is_found_by_probing_for_the_cache_the_footprint_and_the_cost_model(tmp_path):
+    """No attribute name decides: the tower is the first module the model's get_image_features enters (a stand-in
+    call stopped there, nothing computed), the projector what the model holds besides it and the text model."""
+    from vlmfast.data.rank_balance import CostModel
+    from vlmfast.features.footprint import cache_footprint
+
+    torch.manual_seed(0)
+    _, dataset, collate = _task(8)
+    model = _EyesVLM(TinyVLMConfig())
+    assert "eyes.patch_embed.weight" in dict(model.named_parameters())
+    model.eyes.requires_grad_(False)
+    batch = collate([dataset[i] for i in range(8)])
+    # the cache: the tower alone while the projector trains, then tower + projector
+    tower = cache_vision_features(model, tmp_path / "a")
+    assert tower.unit.name == "eyes.forward"
+    plain = model(**batch).loss
+    assert torch.equal(model(**batch).loss, plain) and tower.stats.hits == 8
+    tower.remove()
+    model.multi_modal_projector.requires_grad_(False)
+    whole = cache_vision_features(model, tmp_path / "b")
+    assert whole.unit.name == "get_image_features" and list(whole.unit.modules) == ["eyes", "multi_modal_projector"]
+    assert CostModel.from_model(model).per_image > 0  # found again with the cache in place (the loop builds it later)
+    assert whole.stats.calls == whole.stats.bypassed_calls == 0  # the stand-in call never reached the cache
+    assert torch.equal(model(**batch).loss, plain) and torch.equal(model(**batch).loss, plain)
+    assert whole.stats.hits == 8
+    whole.remove()
+    # the footprint: the tower's and the projector's output shapes
+    assert cache_footprint(model, images=10, dtype_bytes=4).feature_shape == (9, 128)
+    model.multi_modal_projector.requires_grad_(True)
+    assert cache_footprint(model, images=10, dtype_bytes=4).feature_shape == (9, 64)
+    # the cost model: the tower's parameters are the vision part
+    eyes = sum(p.numel() for p in model.eyes.parameters())
+    cost = CostModel.from_model(model)
+    assert cost.per_image == 6.0 * eyes * model.config.num_image_tokens
+    assert cost.per_token == 6.0 * (sum(p.numel() for p in model.parameters()) - eyes)
+    assert CostModel.from_model(model, tower="eyes") == cost

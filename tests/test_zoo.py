@@ -142,13 +142,57 @@ def test_token_budget_gives_the_full_batch_update(case, source):
 
 
 def _frozen_tower_copy(case, frozen):
-    from vlmfast.features.units import PROJECTOR_NAMES, TOWER_NAMES
+    """A copy with the tower (and the projector) frozen, both found by probing the model, not by their names."""
+    from vlmfast.common.image_path import find_image_modules
 
-    names = TOWER_NAMES + (PROJECTOR_NAMES if frozen == "tower+projector" else ())
     model = copy.deepcopy(case.model)
+    found = find_image_modules(model, batches=[case.collate_fn(case.samples)])
+    paths = (found.tower, *(found.projectors if frozen == "tower+projector" else ()))
     for name, param in model.named_parameters():
-        param.requires_grad_(not any(part in names for part in name.split(".")))
+        if name.startswith(tuple(f"{path}." for path in paths)):
+            param.requires_grad_(False)  # and the rest as it was (a LoRA case's base stays frozen)
     return model
+
+
+CHUNKED_CE_REFUSED = ("gpt2", "gpt2_double_heads", "cnn")  # no causal-LM loss_type; not a Hugging Face model
+
+
+def test_chunked_cross_entropy_gives_the_full_batch_update_or_is_refused(case):
+    """The language head and the loss chunk by chunk: the same update, checked against the model's own logits first
+    (InstructBLIP, whose logits come from its language model's head: that head's input taken in its own forward)."""
+    if case.name in CHUNKED_CE_REFUSED:
+        with pytest.raises(ValueError, match=r"^linear_cross_entropy: "):
+            update_of(case, spec(3, linear_cross_entropy={"enabled": True}))
+        return
+    update, _, result = update_of(case, spec(3, linear_cross_entropy={"enabled": True}))
+    assert_update_equal(update, case.reference)
+    assert "checked against its own logits: yes" in result.report.to_text()
+
+
+def test_the_tower_and_projector_are_found_by_probing_the_same_by_either_probe(case):
+    """The image path is learned, never listed: the stand-in call (from the model alone) and the probe forward (one
+    sample with an image) name the same tower and projector; a model without get_image_features (Mllama) is found by
+    where its images flow; a model without images has no tower, and says so."""
+    from vlmfast.common.image_path import find_image_modules
+
+    batches = [case.collate_fn([s]) for s in case.samples if isinstance(s, dict) and s.get("images")]
+    if case.name not in VLM_CASES:
+        for given in (None, batches):
+            with pytest.raises(ValueError, match="no vision tower found"):
+                find_image_modules(case.model, given)
+        return
+    probed = find_image_modules(case.model, batches=iter(batches[:2]))
+    if hasattr(case.model, "get_image_features"):
+        alone = find_image_modules(case.model)
+        assert (alone.tower, alone.projectors, alone.learned) == (probed.tower, probed.projectors, "stand-in call")
+    else:
+        with pytest.raises(ValueError, match="no sample was given for a probe forward"):
+            find_image_modules(case.model)
+        assert probed.learned == "probe forward"
+    # an independent oracle: the tower is the sub-model built from the config's vision part
+    assert case.model.get_submodule(probed.tower).config.to_dict() == case.model.config.vision_config.to_dict()
+    text = case.model.get_input_embeddings()
+    assert not any(m is text for p in probed.projectors for m in case.model.get_submodule(p).modules())
 
 
 @pytest.mark.parametrize("frozen", ["tower", "tower+projector"])

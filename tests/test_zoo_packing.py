@@ -29,6 +29,8 @@ N = 6  # samples per step: 1, 0, 2, 1, 2, 0 images
 REFUSED = {  # family -> what the refusal must say: refused by its batch layout, on any release
     "mllama": r"packing cannot lay out batch key 'cross_attention_mask'.*cross-attention",
     "cnn": r"packing needs token sequences.*a list",
+    # InstructBLIP's Q-Former prompt is one per sample: a packed row of several samples has no place for them
+    "instructblip": r"packing cannot lay out batch key 'qformer_input_ids'.*a per-sample value has no layout rule",
 }
 # Any other family is packed when the probe measures packing exact and refused, with this reason, when it does not:
 # which of the two a model gets may change between releases of transformers (PaliGemma's token_type_ids mask did).

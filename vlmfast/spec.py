@@ -324,12 +324,6 @@ class DataSpec(Section):
     rank_balance_cost: RankBalanceCost | None = Field(
         None, description="rank_balance: cost coefficients to use instead of the model's FLOP counts")
 
-    @model_validator(mode="after")
-    def _balance_without_grouping(self) -> DataSpec:
-        if self.rank_balance != "off" and self.group_by_length != "none":
-            raise ValueError("data.rank_balance with data.group_by_length is not supported yet: choose one")
-        return self
-
 
 class ExportSpec(Section):
     """The trained model exported at the end of a completed fit() (not an interrupted one): docs/lora.md#export."""

@@ -470,6 +470,63 @@ def _mistral3(seed: int) -> ZooCase:
                    image_token_ids=(ids["[IMG]"],))
 
 
+def _llava_lora(seed: int) -> ZooCase:
+    """LLaVA wrapped by the user with PEFT: ``get_peft_model(model, LoraConfig(r=8, ...))`` on the language model's
+    q/v projections; the base frozen, the adapters trained (initialised non-zero: both A and B get gradients)."""
+    import peft
+
+    case = _llava(seed)
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, init_lora_weights=False,
+                             target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    case.model, case.name = peft.get_peft_model(case.model, config), "llava_lora"
+    case.notes.append("a PeftModel: only the LoRA adapters train")
+    return case
+
+
+@dataclass
+class InstructBlipCollate:
+    """InstructBLIP's processor: the LM text after the image's query tokens, the same text as the Q-Former's prompt
+    (``qformer_input_ids``); one image per sample (the model reads ``pixel_values`` on every forward)."""
+
+    processor: Any
+    ignore_ids: tuple[int, ...]
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = dict(self.processor(text=[s["text"] for s in samples], images=[s["images"][0] for s in samples],
+                                    padding=True, return_tensors="pt"))
+        batch["labels"] = _labels(batch["input_ids"], self.ignore_ids)
+        return batch
+
+
+def _instructblip(seed: int) -> ZooCase:
+    """InstructBLIP: a ViT, a Q-Former reading the image and the instruction (``qformer_input_ids``), a projection to
+    the language model's width; the processor puts 4 query tokens before each text."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<image>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    qformer_tokenizer = word_tokenizer(["[PAD]", "[UNK]"], pad_token="[PAD]", unk_token="[UNK]")
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    processor = T.InstructBlipProcessor(image_processor=T.BlipImageProcessorPil(size={"height": 16, "width": 16}),
+                                        tokenizer=tokenizer, qformer_tokenizer=qformer_tokenizer, num_query_tokens=4)
+    torch.manual_seed(seed)
+    vision = T.InstructBlipVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4)
+    qformer = T.InstructBlipQFormerConfig(vocab_size=len(qformer_tokenizer), hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, intermediate_size=64, encoder_hidden_size=32,
+                                          pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = T.InstructBlipConfig(vision_config=vision, qformer_config=qformer, num_query_tokens=4,
+                                  text_config=T.LlamaConfig(**_text_config(len(tokenizer), pad_token_id=0)),
+                                  image_token_index=image_id)
+    model = T.InstructBlipForConditionalGeneration(config)
+    samples = _items(seed, [(16, 16), (24, 16)])
+    for i, sample in enumerate(samples):  # exactly one image per sample
+        sample["images"] = sample["images"][:1] or _rng_images(seed + i, [(16, 16)])
+    return ZooCase("instructblip", model, samples, InstructBlipCollate(processor, (0, 1, 2, 3, image_id)),
+                   image_token_ids=(image_id,), notes=["one image per sample: the model takes pixel_values always"])
+
+
 @dataclass
 class TextCollate:
     """Tokenise and pad; labels = input_ids but padding."""
@@ -544,6 +601,8 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "internvl": _internvl,
     "llava_onevision": _llava_onevision,
     "mistral3": _mistral3,
+    "llava_lora": _llava_lora,
+    "instructblip": _instructblip,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
@@ -551,7 +610,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
 }
 ZOO = tuple(BUILDERS)
 VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
-             "gemma3", "internvl", "llava_onevision", "mistral3")
+             "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:

@@ -42,11 +42,14 @@ def _spec(steps: int = 1, **extra: Any) -> TrainSpec:
     return TrainSpec(**{**base, **extra})
 
 
-def _frozen_tower(model: torch.nn.Module) -> torch.nn.Module:
-    from vlmfast.features.units import PROJECTOR_NAMES, TOWER_NAMES
+def _frozen_tower(model: torch.nn.Module, batch: Any) -> torch.nn.Module:
+    """The tower and the projector frozen, both found by probing the model (not by their names)."""
+    from vlmfast.common.image_path import find_image_modules
 
+    found = find_image_modules(model, batches=[batch])
     for name, param in model.named_parameters():
-        param.requires_grad_(not any(part in TOWER_NAMES + PROJECTOR_NAMES for part in name.split(".")))
+        if name.startswith(tuple(f"{path}." for path in (found.tower, *found.projectors))):
+            param.requires_grad_(False)  # and the rest as it was (a LoRA case's base stays frozen)
     return model
 
 
@@ -55,7 +58,7 @@ def _update(case: Any, spec: TrainSpec, frozen: bool = False) -> tuple[dict[str,
 
     model = copy.deepcopy(case.model)
     if frozen:
-        _frozen_tower(model)
+        _frozen_tower(model, case.collate_fn(case.samples))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = OptimizedTrainer(model, case.samples, spec, loss_fn=case.loss_fn, collate_fn=case.collate_fn)
     if spec.oom.enabled:

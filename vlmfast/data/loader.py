@@ -162,8 +162,10 @@ class ResumableLoader:
             if spec.rank_balance != "off" and world_size > 1:  # each global batch dealt by the samples' costs
                 tokens, images = sample_metadata(data)
                 model = cost_model if spec.rank_balance == "cost" and cost_model is not None else CostModel()
-                self.sampler = sampler = RankBalancedBatchSampler(model.costs(tokens, images), batch_size, seed,
-                                                                  spec.shuffle, rank, world_size)
+                grouping = spec.group_by_length  # grouping forms the global batches, the deal splits them
+                self.sampler = sampler = RankBalancedBatchSampler(
+                    model.costs(tokens, images), batch_size, seed, spec.shuffle, rank, world_size,
+                    group_lengths=None if grouping == "none" else dataset_lengths(data, grouping), group_mode=grouping)
             elif spec.group_by_length != "none":  # batches of similar length, the longest first
                 self.sampler = sampler = LengthGroupedSampler(
                     dataset_lengths(data, spec.group_by_length), batch_size, seed, spec.shuffle, rank, world_size,

@@ -137,8 +137,14 @@ def unpad_batch(batch: Mapping[str, Any], image_keys: Sequence[str] = ("pixel_va
 
 def _without_padding_slots(doc: Document, keys: list[str]) -> Document:
     """A document's image slots without the batch's padding (trailing slots that are zero in every slot key: no
-    pixel, no mask), so a packed row holds its documents' images, not every sample's share of the batch maximum."""
-    keys = [k for k in keys if k in doc]
+    pixel, no mask), so a packed row holds its documents' images, not every sample's share of the batch maximum.
+    A batch already in the per-row layout (``images_per_row`` / ``<key>_per_row``: one sample per row) says itself
+    how many slots are real; the count is dropped here, since packing counts each packed row's images again."""
+    counts = [k for k in keys if k in doc and k.endswith("_per_row")]
+    keys = [k for k in keys if k in doc and k not in counts]
+    if counts:
+        keep = int(doc[counts[0]])
+        return {k: (v[:keep] if k in keys else v) for k, v in doc.items() if k not in counts}
     if not keys:
         return doc
     used = torch.stack([doc[k].flatten(1).ne(0).any(1) for k in keys]).any(0)
@@ -159,9 +165,9 @@ def _sample_value(key: str, value: Tensor, kind: str | None, span: slice, t: int
         return value[:, 0, span]  # mRoPE [channels, 1, T]
     if value.dim() == 2 and value.shape == (1, t):
         return value[0, span]
-    raise PackingError(f"packing cannot lay out batch key '{key}' (one sample: {tuple(value.shape)}) in a packed "
-                       "row: a row keeps per-token keys [B, T] and per-image keys, not per-sample values (they would "
-                       "have to stay one per row); set packing.enabled: false")
+    raise PackingError(f"packing cannot lay out batch key '{key}' (one sample: {tuple(value.shape)}): a per-sample "
+                       "value has no layout rule in a packed row, which keeps per-token keys [B, T] and per-image "
+                       "keys (several samples' values would have to share one row); set packing.enabled: false")
 
 
 @dataclass
@@ -362,7 +368,10 @@ class PackingCollator:
             pad_id=self.pad_id, ignore_index=self.ignore_index, pad_to_max_tokens=self.pad_to_max_tokens,
             image_counts=self.image_counts,
         )
-        if self.document_lengths:
+        # The tiny VLM reads document_lengths as "one image per document" (it then selects images without a host
+        # read); with 0 or several images per sample it must count them from images_per_row instead.
+        counts = packed.tensors.get("images_per_row")
+        if self.document_lengths and (counts is None or counts.tolist() == [len(row) for row in packed.rows]):
             packed.tensors = {**packed.tensors, "document_lengths": packed.document_lengths}
         return packed
 

@@ -21,7 +21,7 @@ Usage::
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,17 +43,22 @@ class CostModel:
     per_image: float = 0.0  # the vision tower's work per image
 
     @classmethod
-    def from_model(cls, model: Any) -> CostModel:
+    def from_model(cls, model: Any, tower: str | None = None, batches: Iterable[Any] | None = None) -> CostModel:
         """Coefficients from FLOP counts (fixed by the model, so every run deals alike): 6 FLOPs per parameter per
         token of the language model, 12 x layers x hidden per token pair (attention's QK^T and AV, forward and
-        backward), and 6 FLOPs per vision parameter per image patch. Unknown parts count 0."""
+        backward), and 6 FLOPs per vision parameter per image patch. Unknown parts count 0. The vision tower: `tower`
+        (its module path), else learned (:func:`~vlmfast.common.image_path.find_image_modules`: the first module the
+        model's ``get_image_features`` enters, else a probe forward of `batches`); none found: no vision part."""
+        from vlmfast.common.image_path import find_image_modules
         from vlmfast.common.utils import unwrap_model
-        from vlmfast.features.units import TOWER_NAMES
         from vlmfast.strategies.token_budget import image_token_cost
 
         model = unwrap_model(model)
-        vision = sum(p.numel() for name, p in model.named_parameters()
-                     if any(part in TOWER_NAMES for part in name.split(".")))
+        try:
+            found = find_image_modules(model, batches, tower=tower)
+        except ValueError:
+            found = None
+        vision = sum(p.numel() for p in model.get_submodule(found.tower).parameters()) if found else 0
         language = sum(p.numel() for p in model.parameters()) - vision
         config = getattr(model, "config", None)
         text = getattr(config, "text_config", None) or config
@@ -127,13 +132,19 @@ class RankBalancedBatchSampler(Sampler[list[int]]):
     may differ in size). ``set_position(epoch, start)`` resumes at batch ``start // batch_size`` of the epoch.
     ``deals`` records, per batch of the epoch, the imbalance of the deal and of the positional one.
 
+    With ``group_lengths`` (``data.group_by_length``), the epoch's order is grouping's
+    (:func:`~vlmfast.data.samplers.grouped_order`): grouping decides which samples form each global batch, exactly
+    those :class:`~vlmfast.data.samplers.LengthGroupedSampler` gives the ranks together, and the deal decides which
+    rank computes which.
+
     Usage: ``DataLoader(data, batch_sampler=RankBalancedBatchSampler(costs, 8, seed=0, rank=r, world_size=w))``
     """
 
     def __init__(self, costs: Sequence[float], batch_size: int, seed: int, shuffle: bool = True, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, group_lengths: Sequence[int] | None = None, group_mode: str = "length") -> None:
         self.costs, self.batch_size, self.seed, self.shuffle = list(costs), batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
+        self.group_lengths, self.group_mode = group_lengths, group_mode
         self.epoch, self.start_batch = 0, 0
         self.deals: dict[int, tuple[float, float]] = {}  # batch of the epoch -> (imbalance dealt, positional)
 
@@ -142,6 +153,11 @@ class RankBalancedBatchSampler(Sampler[list[int]]):
 
     def _order(self) -> list[int]:
         n = len(self.costs)
+        if self.group_lengths is not None:  # grouping's global batches (the same seeding as the permutation's)
+            from vlmfast.data.samplers import grouped_order
+
+            return grouped_order(self.group_lengths, self.batch_size * self.world_size, mode=self.group_mode,
+                                 seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
         if not self.shuffle:
             return list(range(n))
         generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)  # as EpochSampler

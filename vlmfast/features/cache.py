@@ -32,7 +32,7 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -87,17 +87,19 @@ class CacheStats:
 class FeatureCache:
     """Caches the frozen image path of `model` (the plain model, before DDP); see the module docstring.
 
-    `scope`: "auto" | "tower" | "tower_and_projector"; `module`: the tower's path if not found by name;
-    `preprocessing`: anything the data pipeline does to images after the keys are computed (part of the
-    fingerprint); `read_only`: use an existing store without adding to it.
+    `scope`: "auto" | "tower" | "tower_and_projector"; `module`: the tower's path when the model cannot show it;
+    `probe_batches`: a few training batches, for a probe forward when the model's own image call does not show its
+    tower (:func:`~vlmfast.common.image_path.find_image_modules`); `preprocessing`: anything the data pipeline does
+    to images after the keys are computed (part of the fingerprint); `read_only`: use an existing store without
+    adding to it.
     """
 
     def __init__(self, model: nn.Module, directory: str | Path, *, max_gb: float = 20.0, dtype: str = "auto",
                  scope: str = "auto", module: str | None = None, read_only: bool = False,
-                 preprocessing: dict[str, Any] | None = None) -> None:
+                 preprocessing: dict[str, Any] | None = None, probe_batches: Iterable[Any] | None = None) -> None:
         from vlmfast.common.utils import PRECISION_DTYPES
 
-        self.unit: Unit = resolve_unit(model, scope, module)
+        self.unit: Unit = resolve_unit(model, scope, module, probe_batches)
         self.root = Path(directory).expanduser()
         self.max_bytes = int(max_gb * 2**30)
         self.storage_dtype = None if dtype == "auto" else PRECISION_DTYPES[dtype]

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vlmfast.common.image_path import find_image_modules
 from vlmfast.common.module_tree import matches
-from vlmfast.features.units import TOWER_NAMES, _find, _owner_of, _projector
+from vlmfast.features.units import _owner_of
 
 __all__ = ["CacheFootprint", "cache_footprint"]
 
@@ -52,29 +53,37 @@ class CacheFootprint:
 
 
 def cache_footprint(model: nn.Module, *, images: int, dtype_bytes: int = 2, scope: str = "auto",
-                    frozen: tuple[str, ...] = (), image_size: int | None = None) -> CacheFootprint:
+                    frozen: tuple[str, ...] = (), image_size: int | None = None,
+                    tower: str | None = None) -> CacheFootprint:
     """Run the image path once on a meta-device image to learn the cached feature shape (one image).
 
     `scope` "auto": tower and projector when the projector is frozen (in `frozen`, or ``requires_grad`` off), else
-    the tower. Usage: ``cache_footprint(build_estimate_model("tiny-vlm"), images=4096).to_text()``
+    the tower. `tower`: the tower's path, when the model's ``get_image_features`` does not show it (the stand-in call
+    of :func:`~vlmfast.common.image_path.find_image_modules`). Usage:
+    ``cache_footprint(build_estimate_model("tiny-vlm"), images=4096).to_text()``
     """
-    tower_path, tower = _find(model, None, TOWER_NAMES, "vision tower")
-    owner_path, owner = _owner_of(model, tower_path)
-    projector = _projector(owner, owner_path, tower)
-    projector_frozen = projector is not None and (
-        any(pattern == "projector" or matches(projector[0], pattern) for pattern in frozen)
-        or not any(p.requires_grad for p in projector[1].parameters()))
+    try:
+        found = find_image_modules(model, tower=tower)
+    except ValueError as exc:
+        raise ValueError(f"cache_footprint: {exc}: pass tower=<the tower's module path>") from exc
+    tower_path = found.tower
+    tower_module = model.get_submodule(tower_path)
+    _, owner = _owner_of(model, tower_path)
+    projectors = [(path, model.get_submodule(path)) for path in found.projectors]
+    projector_frozen = bool(projectors) and all(
+        any(pattern == "projector" or matches(path, pattern) for pattern in frozen)
+        or not any(p.requires_grad for p in module.parameters()) for path, module in projectors)
     whole = scope == "tower_and_projector" or (scope == "auto" and projector_frozen)
     size = image_size or _image_size(model)
-    device = next(tower.parameters()).device  # meta for Hugging Face configs; the tiny VLM is small enough for CPU
+    device = next(tower_module.parameters()).device  # meta for Hugging Face configs; the tiny VLM fits the CPU
     pixels = torch.zeros(1, 3, size, size, device=device)
     with torch.no_grad():
         if whole and hasattr(owner, "get_image_features"):
             out = owner.get_image_features(pixel_values=pixels)
-            modules = [tower, *([projector[1]] if projector else [])]
+            modules = [tower_module, *(module for _, module in projectors)]
         else:
-            out = tower(pixels)
-            modules, whole = [tower], False
+            out = tower_module(pixels)
+            modules, whole = [tower_module], False
     if isinstance(out, torch.Tensor):
         features = out
     elif whole:  # get_image_features: per-image features in pooler_output

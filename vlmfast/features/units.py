@@ -15,6 +15,9 @@ Layouts (all measured on the real models' code in transformers 5):
 - :class:`Qwen2VLAdapter`: ``[patches, D]`` + ``image_grid_thw`` ``[N, 3]``: image i owns ``t*h*w`` patches, so
   images have different patch and token counts; ``pooler_output`` holds one tensor per image.
 
+The tower and the projector are found by probing the model (:mod:`vlmfast.common.image_path`: the first module its
+``get_image_features`` enters, and what it runs after), never by their attribute names.
+
 Usage::
 
     unit = resolve_unit(model, scope="auto")          # raises ValueError with the reason when it cannot be cached
@@ -26,18 +29,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from vlmfast.common.image_path import ImageModules, find_image_modules
+
 __all__ = ["CallImages", "HFTowerAdapter", "Idefics3Adapter", "LearnedAdapter", "Qwen2VLAdapter", "RowsAdapter",
            "Unit", "resolve_unit"]
 
-TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
-PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "projector", "connector", "vision_proj")
 
 
 @dataclass
@@ -336,31 +339,36 @@ class Unit:
         return [p for module in self.modules.values() for p in module.parameters()]
 
 
-def resolve_unit(model: nn.Module, scope: str = "auto", module: str | None = None) -> Unit:
+def resolve_unit(model: nn.Module, scope: str = "auto", module: str | None = None,
+                 batches: Iterable[Any] | None = None) -> Unit:
     """Find the unit to cache in `model` (the plain model, before DDP).
 
     `scope`: "auto" (tower and projector when both are frozen, else the tower), "tower", or "tower_and_projector".
-    `module`: the tower's path when its attribute name is not one of the usual ones. Raises ValueError naming the
-    reason when nothing can be cached: no tower, a tower that trains, a Hugging Face tower whose projector trains.
+    `module`: the tower's path, when the model cannot show it (:func:`~vlmfast.common.image_path.find_image_modules`:
+    the first module its ``get_image_features`` enters, else what a probe forward of `batches` sends the images
+    into). Raises ValueError naming the reason when nothing can be cached: no tower found, a tower that trains, a
+    Hugging Face tower whose projector trains.
     """
-    tower_path, tower = _find(model, module, TOWER_NAMES, "vision tower")
+    found = _find(model, module, batches)
+    tower_path, tower = found.tower, model.get_submodule(found.tower)
     trainable = [n for n, p in tower.named_parameters() if p.requires_grad]
     if trainable:
         raise ValueError(
             f"vision_cache: the vision tower '{tower_path}' trains ({len(trainable)} trainable tensors, e.g. "
             f"'{trainable[0]}'), so its features change every step and a cache would serve stale ones: freeze it "
             f"(optimizer.freeze: ['{tower_path.rsplit('.', 1)[-1]}']) or set vision_cache.enabled: false")
-    owner_path, owner = _owner_of(model, tower_path)
-    projector = _projector(owner, owner_path, tower)
-    projector_frozen = projector is not None and not any(p.requires_grad for p in projector[1].parameters())
+    _, owner = _owner_of(model, tower_path)
+    projectors = {path: model.get_submodule(path) for path in found.projectors}
+    trains = [path for path, m in projectors.items() if any(p.requires_grad for p in m.parameters())]
+    projector_frozen = bool(projectors) and not trains
     config = _config_json(owner)
     model_type = getattr(getattr(owner, "config", None), "model_type", None)
-    whole = scope == "tower_and_projector" or (scope == "auto" and (projector_frozen or projector is None))
+    whole = scope == "tower_and_projector" or (scope == "auto" and (projector_frozen or not projectors))
     if scope == "tower_and_projector" and not projector_frozen:
-        reason = "has no projector next to the tower" if projector is None else f"'{projector[0]}' trains"
+        reason = "has no projector next to the tower" if not projectors else f"'{trains[0]}' trains"
         raise ValueError(f"vision_cache.scope is tower_and_projector but the model {reason}: use scope: tower")
     if whole and hasattr(owner, "get_image_features"):
-        modules = {tower_path: tower, **({projector[0]: projector[1]} if projector else {})}
+        modules = {tower_path: tower, **projectors}
         if model_type is not None:  # a Hugging Face VLM: its layout learned on its first forward with two images
             return Unit(owner, "get_image_features", LearnedAdapter(_first_argument(owner.get_image_features)),
                         modules, config)
@@ -376,17 +384,14 @@ def resolve_unit(model: nn.Module, scope: str = "auto", module: str | None = Non
     return Unit(tower, "forward", RowsAdapter(_first_argument(tower.forward)), {tower_path: tower}, config)
 
 
-def _find(model: nn.Module, path: str | None, names: Sequence[str], what: str) -> tuple[str, nn.Module]:
-    if path is not None:
-        try:
-            return path, model.get_submodule(path)
-        except AttributeError as exc:
-            raise ValueError(f"vision_cache.module: '{path}' is not a sub-module of {type(model).__name__}") from exc
-    for name, sub in model.named_modules():  # shallowest first: Hugging Face nests the tower under .model
-        if name.rsplit(".", 1)[-1] in names:
-            return name, sub
-    raise ValueError(f"vision_cache: no {what} found (looked for sub-modules named {', '.join(names)}): set "
-                     "vision_cache.module to its path, e.g. 'encoder.image_tower'")
+def _find(model: nn.Module, path: str | None, batches: Iterable[Any] | None) -> ImageModules:
+    try:
+        return find_image_modules(model, batches, tower=path)
+    except ValueError as exc:
+        if path is not None:
+            raise ValueError(f"vision_cache.module: {exc}") from exc
+        raise ValueError(f"vision_cache: {exc}: set vision_cache.module to the tower's path, e.g. "
+                         "'encoder.image_tower'") from exc
 
 
 def _owner_of(model: nn.Module, tower_path: str) -> tuple[str, nn.Module]:
@@ -399,15 +404,6 @@ def _owner_of(model: nn.Module, tower_path: str) -> tuple[str, nn.Module]:
             return path, module
     parent = ".".join(parts[:-1])
     return parent, model.get_submodule(parent) if parent else model
-
-
-def _projector(owner: nn.Module, owner_path: str, tower: nn.Module) -> tuple[str, nn.Module] | None:
-    """The projector next to the tower (path from the model's root), by its usual attribute names."""
-    inside = {id(m) for m in tower.modules()}
-    for name, sub in owner.named_modules():
-        if name.rsplit(".", 1)[-1] in PROJECTOR_NAMES and id(sub) not in inside:
-            return (f"{owner_path}.{name}" if owner_path else name), sub
-    return None
 
 
 def _first_argument(fn: Callable[..., Any]) -> str:

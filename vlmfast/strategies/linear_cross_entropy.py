@@ -31,8 +31,10 @@ forward is replaced on the instance (parameters, names and ``state_dict`` unchan
 for the hidden states and this loss on the head's weight, with the model's own label shift and its own
 ``num_items_in_batch`` division, so gradient accumulation weights it exactly like the model's own loss. Supported:
 Hugging Face causal LMs and VLMs whose loss is ``ForCausalLMLoss`` (checked once against the model's own logits on
-the first batch), vlmfast's tiny VLM, and any model exposing ``hidden_states_for_loss(**batch)`` and
-``get_output_embeddings()``. Anything else is refused with what to do instead.
+the first batch; a VLM with no base model to run, such as InstructBLIP whose logits come from its language model's
+head, runs its own forward while a pre-hook on the head takes the head's input), vlmfast's tiny VLM, and any model
+exposing ``hidden_states_for_loss(**batch)`` and ``get_output_embeddings()``. Anything else is refused with what to
+do instead.
 """
 
 from __future__ import annotations
@@ -474,13 +476,14 @@ def head_transform(model: nn.Module) -> HeadTransform:
 class _Source:
     """How to get a model's hidden states and head, and what its loss does with them."""
 
-    kind: str  # "hugging face" or "hidden_states_for_loss"
+    kind: str  # "hugging face", "hugging face, head input captured" or "hidden_states_for_loss"
     hidden: Callable[[dict[str, Any]], Tensor]
     head: nn.Module
     transform: HeadTransform
     shift: bool
     make_output: Callable[[Tensor], Any]
     base: nn.Module | None = None  # HF: the base model (its output is the head's input)
+    captured: bool = False  # the head's input is captured in the model's own forward (no base model to run)
 
 
 def _refuse(model: nn.Module, why: str) -> ValueError:
@@ -499,7 +502,7 @@ def _head_of(model: nn.Module) -> nn.Module:
     return head
 
 
-def _hf_source(model: nn.Module) -> _Source:
+def _hf_source(model: nn.Module, original: Callable[..., Any]) -> _Source:
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -510,7 +513,7 @@ def _hf_source(model: nn.Module) -> _Source:
         raise _refuse(model, f"has loss_type {loss_type!r}, not the causal-LM loss")
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if not isinstance(base, nn.Module) or base is model:
-        raise _refuse(model, "has no base model to run for hidden states")
+        return _captured_source(model, original)
     accepts = inspect.signature(base.forward).parameters
 
     def hidden(inputs: dict[str, Any]) -> Tensor:
@@ -521,6 +524,47 @@ def _hf_source(model: nn.Module) -> _Source:
 
     return _Source("hugging face", hidden, _head_of(model), head_transform(model), True,
                    lambda loss: CausalLMOutputWithPast(loss=loss, logits=None), base)
+
+
+def _captured_source(model: nn.Module, original: Callable[..., Any]) -> _Source:
+    """A model with no base model to run for hidden states (InstructBLIP: vision tower, Q-Former, then a whole
+    causal LM whose ``lm_head`` gives the logits): its own forward runs, without labels, and a pre-hook on the head
+    (``get_output_embeddings()``) takes the head's input and hands the head no position, so the logits are never
+    made; the loss computes them chunk by chunk from what the head would have received."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    head = _head_of(model)
+
+    def hidden(inputs: dict[str, Any]) -> Tensor:
+        return _head_input(head, original, inputs, keep=0)[0]
+
+    return _Source("hugging face, head input captured", hidden, head, head_transform(model), True,
+                   lambda loss: CausalLMOutputWithPast(loss=loss, logits=None), captured=True)
+
+
+def _head_input(head: nn.Module, forward: Callable[..., Any], inputs: dict[str, Any],
+                keep: int) -> tuple[Tensor, Any]:
+    """The tensor `head` receives when `forward(**inputs)` runs, and the forward's output; the head itself runs on its
+    last `keep` positions only (0: none)."""
+    captured: list[Tensor] = []
+
+    def take(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not args or not isinstance(args[0], Tensor):
+            raise ValueError("linear_cross_entropy: the model calls its head without a positional hidden-states "
+                             "tensor; set linear_cross_entropy.enabled: false")
+        captured.append(args[0])
+        positions = args[0].shape[-2]
+        return (args[0][..., positions - min(keep, positions):, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(take)
+    try:
+        output = forward(**inputs)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise ValueError(f"linear_cross_entropy: the model's forward ran its head {len(captured)} times, not once; "
+                         "set linear_cross_entropy.enabled: false")
+    return captured[0], output
 
 
 def _protocol_source(model: nn.Module) -> _Source:
@@ -536,11 +580,11 @@ def _is_hf(model: nn.Module) -> bool:
     return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
 
 
-def _source(model: nn.Module) -> _Source:
+def _source(model: nn.Module, original: Callable[..., Any]) -> _Source:
     if hasattr(model, "hidden_states_for_loss"):
         return _protocol_source(model)
     if _is_hf(model):
-        return _hf_source(model)
+        return _hf_source(model, original)
     raise _refuse(model, "is neither a Hugging Face model nor has hidden_states_for_loss(**batch)")
 
 
@@ -628,6 +672,11 @@ class ChunkedLossModel:
 
     def _check(self, inputs: dict[str, Any]) -> str:
         """Compare the head on the base model's hidden states with the model's own logits on a few positions."""
+        if self.source.captured:  # what the head receives is known: check what the forward does after the head
+            with torch.no_grad():
+                hidden, output = _head_input(self.source.head, self.original, inputs, keep=VERIFY_POSITIONS)
+            logits = output.logits if hasattr(output, "logits") else output[0]
+            return self._compare(hidden[..., -VERIFY_POSITIONS:, :], logits)
         if self.source.base is None:
             return "not needed (the model declares hidden_states_for_loss)"
         params = self.signature.parameters
@@ -644,7 +693,10 @@ class ChunkedLossModel:
                 logits = self.original(**inputs, logits_to_keep=VERIFY_POSITIONS).logits
         finally:
             handle.remove()
-        hidden = captured["hidden"][:, -VERIFY_POSITIONS:]
+        return self._compare(captured["hidden"][:, -VERIFY_POSITIONS:], logits)
+
+    def _compare(self, hidden: Tensor, logits: Tensor) -> str:
+        """The chunked path's logits of `hidden` against the model's own `logits` of the same positions."""
         head = self.source.head
         with torch.no_grad():
             ours, _ = _chunk_logits(hidden, head.weight, getattr(head, "bias", None), self.source.transform,
@@ -705,9 +757,9 @@ def apply_linear_cross_entropy(
     honoured as the model's own loss honours it.
     """
     model = loss_owner(model)  # a PEFT model: its wrapped model, whose forward its own forward calls
-    source = _source(model)
     previous: ChunkedLossModel | None = getattr(model, "_vlmfast_lce", None)
     original = previous.original if previous is not None else model.forward
+    source = _source(model, original)
     weight = source.head.weight
     state = ChunkedLossModel(
         source=source, original=original, signature=inspect.signature(original),

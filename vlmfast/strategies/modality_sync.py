@@ -25,114 +25,20 @@ Usage (your own loop, before wrapping the model; ``batches`` yields a few collat
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from vlmfast.common.image_path import ImagePath, _to, learn_image_path
 from vlmfast.engines.collectives import any_rank, gather_objects, world_size
 from vlmfast.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 
 ProbeBatches = Callable[[], Iterable[Any]]
-
-
-@dataclass
-class ImagePath:
-    """How the model computes image features, as one probe forward showed it."""
-
-    owner: str  # the module whose ``get_image_features`` the forward called ("" for the root)
-    args: tuple[Any, ...]  # that call's arguments (tensors detached, on the CPU): the stand-in's input
-    kwargs: dict[str, Any]
-    entry: str  # the first module the call ran (its pre-hook says "the image path ran")
-    trigger: tuple[str, int] | None  # (module, how many times it had run before): the forward went on there
-    image_key: str | None  # the forward argument holding the images
-
-
-def learn_image_path(model: nn.Module, batches: Iterable[Any]) -> ImagePath | None:
-    """The :class:`ImagePath` of `model` from the first of `batches` (mappings, on the model's device) whose forward
-    calls ``get_image_features``; None when the model has no such method or no batch ran it."""
-    owners = {name: m for name, m in model.named_modules() if callable(getattr(m, "get_image_features", None))}
-    if not owners:
-        return None
-    record: dict[str, Any] = {"depth": 0, "counts": {}}
-    hooks = [m.register_forward_pre_hook(_watcher(record, name)) for name, m in model.named_modules()]
-    hooks.append(model.register_forward_pre_hook(lambda _m, _a, kwargs: record.update(forward=kwargs),
-                                                 with_kwargs=True))
-    for name, owner in owners.items():
-        owner.get_image_features = _recording(record, name, owner.get_image_features)  # removed below
-    was_training = model.training
-    model.eval()  # no running statistics updated, no random numbers drawn: training starts as it would have
-    try:
-        for batch in batches:
-            if not isinstance(batch, Mapping):
-                continue
-            record["counts"] = {}
-            try:
-                with torch.no_grad():
-                    model(**batch)
-            except Exception as exc:  # a batch only the user's loss_fn can take: nothing learned from it
-                log.debug("modality sync: probe forward failed (%s)", exc)
-                record.clear()
-                record.update(depth=0, counts={})
-                continue
-            if "owner" in record:
-                break
-    finally:
-        model.train(was_training)
-        for hook in hooks:
-            hook.remove()
-        for owner in owners.values():
-            del owner.get_image_features  # the instance attribute: the class's method is back
-    if "owner" not in record or "entry" not in record:
-        return None
-    return ImagePath(record["owner"], _to(record["args"], "cpu"), _to(record["kwargs"], "cpu"), record["entry"],
-                     record.get("trigger"), _image_key(record))
-
-
-def _watcher(record: dict[str, Any], name: str) -> Callable[..., None]:
-    def watch(module: nn.Module, args: Any) -> None:
-        if record["depth"]:  # inside the image call
-            record.setdefault("entry", name)
-            return
-        if "owner" in record and "trigger" not in record:
-            record["trigger"] = (name, record["counts"].get(name, 0))
-        record["counts"][name] = record["counts"].get(name, 0) + 1
-    return watch
-
-
-def _recording(record: dict[str, Any], name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        outermost = record["depth"] == 0 and "owner" not in record
-        record["depth"] += 1
-        try:
-            output = method(*args, **kwargs)
-        finally:
-            record["depth"] -= 1
-        if outermost:
-            record.update(owner=name, args=_detached(args), kwargs=_detached(kwargs),
-                          image=args[0] if args else kwargs.get(_first_argument(method)))
-        return output
-    return call
-
-
-def _first_argument(method: Callable[..., Any]) -> str | None:
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return next((p.name for p in inspect.signature(method).parameters.values() if p.kind in kinds), None)
-
-
-def _image_key(record: dict[str, Any]) -> str | None:
-    """The forward argument that is the image call's first argument (the same tensor object)."""
-    image, forward = record.get("image"), record.get("forward", {})
-    for key, value in forward.items():
-        if value is image and isinstance(value, torch.Tensor):
-            return key
-    return None
 
 
 class ModalitySync(Strategy):
@@ -258,28 +164,6 @@ def _features(output: Any) -> list[torch.Tensor]:
         return list(output)
     raise TypeError(f"modality sync: get_image_features returned a {type(output).__name__} without a tensor or "
                     "pooler_output: vlmfast cannot tell which image features the model uses")
-
-
-def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached(v) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
-
-
-def _to(value: Any, device: Any, dtype: torch.dtype | None = None) -> Any:
-    """`value` with its tensors on `device`, floating ones in `dtype` (the tower's: DeepSpeed holds bf16 weights)."""
-    if isinstance(value, torch.Tensor):
-        value = value.to(device) if device is not None else value
-        return value.to(dtype) if dtype is not None and value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device, dtype) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _to(v, device, dtype) for k, v in value.items()}
-    return value
 
 
 def _add_to_output(output: Any, zero: torch.Tensor) -> Any:

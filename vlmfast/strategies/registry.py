@@ -66,7 +66,7 @@ def _vision_cache(spec: Any, ctx: BuildContext) -> Strategy | None:
     data = spec.data
     preprocessing = {"device_image_size": data.device_image_size, "image_key": data.image_key,
                      "image_mean": data.image_mean, "image_std": data.image_std} if data.device_image_size else {}
-    return VisionCache(spec.vision_cache, preprocessing)
+    return VisionCache(spec.vision_cache, preprocessing, ctx.probe_batches)
 
 
 def _modality_sync(spec: Any, ctx: BuildContext) -> Strategy | None:

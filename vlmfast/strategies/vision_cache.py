@@ -24,6 +24,7 @@ Usage in a hand-written loop::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,8 +52,9 @@ class VisionCacheSpec(Section):
         "(rounded the same way on hits and misses)")
     scope: Literal["auto", "tower", "tower_and_projector"] = Field(
         "auto", description="what the cache stands in for: auto takes the projector too when it is frozen")
-    module: str | None = Field(None, description="the vision tower's module path, when not named vision_tower, "
-                               "vision_model, visual, vision_encoder or image_encoder")
+    module: str | None = Field(None, description="the vision tower's module path, when probing cannot find it (the "
+                               "first module the model's get_image_features enters, else the one the first training "
+                               "samples' images flow into)")
     read_only: bool = Field(False, description="use a cache filled earlier without adding to it (one store shared by "
                             "every rank or run)")
 
@@ -65,13 +67,17 @@ def default_cache_dir() -> Path:
 
 def cache_vision_features(model: nn.Module, dir: str | Path | None = None, *, max_gb: float = 20.0,
                           dtype: str = "auto", scope: str = "auto", module: str | None = None,
-                          read_only: bool = False, preprocessing: dict[str, Any] | None = None) -> FeatureCache:
+                          read_only: bool = False, preprocessing: dict[str, Any] | None = None,
+                          probe_batches: Iterable[Any] | None = None) -> FeatureCache:
     """Cache `model`'s frozen image path (call after freezing, before DDP / compile); returns the cache.
+    `probe_batches`: a few training batches, only read when the model's own image call does not show which module
+    is its tower (a model without ``get_image_features``); else `module` names it.
 
     Usage: ``cache = cache_vision_features(model, "/data/cache"); ...; cache.describe(); cache.remove()``
     """
     return FeatureCache(model, dir if dir is not None else default_cache_dir(), max_gb=max_gb, dtype=dtype,
-                        scope=scope, module=module, read_only=read_only, preprocessing=preprocessing)
+                        scope=scope, module=module, read_only=read_only, preprocessing=preprocessing,
+                        probe_batches=probe_batches)
 
 
 class VisionCache(Strategy):
@@ -79,16 +85,19 @@ class VisionCache(Strategy):
 
     name = "vision_cache"
 
-    def __init__(self, spec: VisionCacheSpec, preprocessing: dict[str, Any] | None = None) -> None:
+    def __init__(self, spec: VisionCacheSpec, preprocessing: dict[str, Any] | None = None,
+                 probe_batches: Callable[[], Iterable[Any]] | None = None) -> None:
         self.spec = spec
         self.preprocessing = preprocessing
+        self.probe_batches = probe_batches
         self.cache: FeatureCache | None = None
         self._last = CacheStats()
 
     def apply(self, model: nn.Module) -> nn.Module:
         s = self.spec
         self.cache = cache_vision_features(model, s.dir, max_gb=s.max_gb, dtype=s.dtype, scope=s.scope,
-                                           module=s.module, read_only=s.read_only, preprocessing=self.preprocessing)
+                                           module=s.module, read_only=s.read_only, preprocessing=self.preprocessing,
+                                           probe_batches=self.probe_batches() if self.probe_batches else None)
         return model
 
     def wrap_data(self, dataset: Any, collate_fn: Any) -> tuple[Any, Any]:
