@@ -147,3 +147,136 @@ def test_without_leaves_a_strategy_out_of_every_best_row_alike():
     assert lease["vlmfast+compile"].settings.spec == full["vlmfast+compile"].settings.spec  # its own row stays
     with pytest.raises(ValueError, match=r"unknown strategy.*'complie'.*choose from"):
         build_configs("cuda", ["complie"])
+
+
+# ---- quality-adjusted throughput (pure logic on synthetic results: no training) ---------------------------------
+def _synthetic(rows: dict[str, tuple[float, list[float]]], spread_in_summary: bool = True) -> dict:
+    """A compare result with rows name -> (samples/s, eval loss per round); "start" must be among them."""
+    start_speed = rows["start"][0]
+    summary, runs, ratios = {}, {}, {}
+    for name, (speed, losses) in rows.items():
+        runs[name] = [{"samples_per_s": speed, "step_time_p50_s": 1 / speed, "eval_loss": loss} for loss in losses]
+        ordered = sorted(losses)
+        summary[name] = {"samples_per_s": speed, "tokens_per_s": 10 * speed, "step_time_p50_s": 1 / speed,
+                         "step_time_p90_s": 1 / speed, "peak_memory_gb": 0.1, "memory_kind": "process RSS increase",
+                         "tflops": 0.01, "padding_fraction": 0.3, "final_train_loss": ordered[len(ordered) // 2],
+                         "eval_loss": ordered[len(ordered) // 2], "repeats": len(losses), "details": {}}
+        if spread_in_summary:
+            summary[name].update(eval_loss_min=ordered[0], eval_loss_max=ordered[-1])
+        ratios[name] = {"vs_start": speed / start_speed, "p50_vs_start": speed / start_speed}
+    return {"benchmark": "compare", "environment": environment(CPU), "repeats": 3,
+            "workload": {"size": "cpu", "parameters": 587_000, "batch_size": 16, "steps": 40, "warmup_steps": 5,
+                         "sample_tokens": {"min": 16, "mean": 40.0, "max": 66}},
+            "configs": [{"name": n, "contender": "vlmfast", "description": n, "skipped": None} for n in rows],
+            "summary": summary, "runs": runs, "ratios": ratios, "skipped": {}, "must_show": []}
+
+
+START_LOSSES = [1.050, 1.052, 1.054]
+
+
+def test_a_faster_row_that_trains_worse_beyond_the_noise_is_not_called_faster():
+    from vlmfast.bench.harness import check_must_show
+    from vlmfast.bench.quality import quality_table
+
+    result = _synthetic({"start": (100.0, START_LOSSES), "vlmfast-best": (150.0, [1.110, 1.115, 1.118])})
+    verdict = quality_table(result)["vlmfast-best"]
+    assert verdict["verdict"] == "worse" and verdict["delta"] == pytest.approx(0.063 / 1.052, rel=1e-6)
+    assert not verdict["credited"] and verdict["adjusted_samples_per_s"] is None
+    assert verdict["adjusted_vs_start"] is None
+    check = next(c for c in check_must_show(result["ratios"], "cpu", result) if c["rule"].startswith(
+        "throughput(vlmfast-best vs start)"))
+    assert check["value"] == pytest.approx(1.5) and check["met"] is False and "worse" in check["quality"]
+    row = next(line for line in comparison_markdown(result).splitlines() if line.startswith("| vlmfast-best |"))
+    assert "n/a: eval loss +6.0 % (worse than noise" in row and "worse: eval loss +6.0 %" in row
+    # On speed alone (no result given) the same ratio would pass: the quality rule is what stops it.
+    alone = next(c for c in check_must_show(result["ratios"], "cpu") if c["rule"].startswith("throughput"))
+    assert alone["met"] is True
+
+
+def test_a_row_within_the_noise_or_better_is_credited_with_its_speed():
+    from vlmfast.bench.quality import quality_table, quality_verdict
+
+    result = _synthetic({"start": (100.0, START_LOSSES), "same": (120.0, [1.055, 1.058, 1.060]),
+                         "noisy": (130.0, [1.02, 1.08, 1.14]), "better": (110.0, [0.98, 0.99, 1.00])})
+    table = quality_table(result)
+    assert table["same"]["verdict"] == "same" and table["same"]["adjusted_vs_start"] == pytest.approx(1.2)
+    # +2.7 % is beyond the 1 % floor but inside this row's own spread over rounds (0.12): not called worse.
+    assert table["noisy"]["verdict"] == "same" and table["noisy"]["noise"] == pytest.approx(0.12 / 1.052)
+    assert table["better"]["verdict"] == "better" and table["better"]["adjusted_samples_per_s"] == 110.0
+    # One round: no spread, the stated relative tolerance decides.
+    assert quality_verdict(1.009, 0.0, 1.0, 0.0)["verdict"] == "same"
+    assert quality_verdict(1.011, 0.0, 1.0, 0.0)["verdict"] == "worse"
+    markdown = comparison_markdown(result)
+    row = next(line for line in markdown.splitlines() if line.startswith("| same |"))
+    assert row.endswith("| 1.20 |") and "1.0580 (1.0550-1.0600)" in row
+
+
+def test_markdown_has_the_quality_columns_and_their_definitions():
+    result = _synthetic({"start": (100.0, START_LOSSES), "vlmfast": (101.0, START_LOSSES)})
+    markdown = comparison_markdown(result)
+    header = next(line for line in markdown.splitlines() if line.startswith("| configuration |"))
+    assert "| eval loss (min-max) | quality vs start | quality-adjusted x start |" in header
+    assert "Quality vs start:" in markdown and "Quality-adjusted x start:" in markdown
+    assert "at least 1% of the starting point's loss" in markdown and "not called faster" in markdown
+
+
+def test_render_of_an_old_compare_json_without_spread_data(tmp_path):
+    """Results written before the quality columns: no eval_loss_min/max, no "quality"; one of them without runs."""
+    result = _synthetic({"start": (100.0, START_LOSSES), "hf-best": (130.0, [1.12, 1.12, 1.12])},
+                        spread_in_summary=False)
+    result["must_show"] = [{"what": "old", "rule": "throughput(x vs start) > 1.0", "value": 1.3, "met": True}]
+    del result["runs"]["hf-best"]
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(result))
+    assert main(["--render", str(path)]) == 0
+    table = (tmp_path / "compare.md").read_text()
+    assert "| hf-best |" in table and "n/a: eval loss +6.5 %" in table and "1.0520 (1.0500-1.0540)" in table
+    assert "Targets:" in table
+
+
+# ---- the cpu-vlm size (built, not trained) -----------------------------------------------------------------------
+def test_cpu_vlm_size_builds_a_20m_model_on_long_tailed_multi_image_data():
+    from vlmfast.bench.configs import _strategies
+    from vlmfast.bench.multi_image import MultiImageShapesDataset
+    from vlmfast.data.packing import build_packing_collator
+
+    torch.set_num_threads(1)
+    workload = build_workload("cpu-vlm")
+    described = workload.describe()
+    assert described["parameters"] == workload.num_parameters >= 20_000_000
+    assert (workload.steps, workload.warmup, workload.batch_size) == (8, 2, 4)
+    assert sorted(set(workload.dataset.images_per_sample())) == [0, 1, 2, 3, 4]
+    assert described["images_per_sample"] == {"min": 0, "mean": pytest.approx(2.125), "max": 4}
+    # The generator's text lengths: 16..1024, log-normal (median ~64, a tail of a few % past 500).
+    data = MultiImageShapesDataset(2000, seed=0)
+    text = torch.tensor([len(data.caption_ids(i)) - 9 * data.num_images(i) for i in range(2000)], dtype=torch.float)
+    assert int(text.min()) == 16 and int(text.max()) == 1024
+    assert 50 <= float(text.median()) <= 80 and float(text.mean()) > 1.6 * float(text.median())
+    assert 0.01 < float((text > 500).float().mean()) < 0.06
+    # Batches with 0 images, and packing: the bench's packing spec gives the padded batch's loss.
+    samples = [workload.dataset[i] for i in range(6)]
+    empty = [s for s in (data[i] for i in range(40)) if not s["images"]][:2]
+    model = workload.build_model("sdpa").eval()
+    spec = TrainSpec(packing=_strategies("cpu", size="cpu-vlm")["packing"][0]["packing"])
+    assert spec.packing.max_tokens == 1060 and spec.packing.image_tokens == 0
+    packed = build_packing_collator(spec.packing, model, workload.collate)(samples)
+    padded = workload.collate(samples)
+    with torch.no_grad():
+        assert torch.isfinite(model(**workload.collate(empty)).loss)
+        assert float(model(**packed).loss) == pytest.approx(float(model(**padded).loss), rel=1e-5)
+    assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]
+    stats = [workload.batch_stats(b) for b in (padded, packed)]
+    assert float(stats[0]["tokens"]) == float(stats[1]["tokens"]) == sum(len(s["input_ids"]) for s in samples)
+    assert float(stats[0]["flops"]) == pytest.approx(float(stats[1]["flops"]))
+    assert int(padded["images_per_row"].sum()) == sum(len(s["images"]) for s in samples)
+
+
+def test_cli_takes_steps_and_warmup_from_the_size():
+    from vlmfast.bench.cli import _size_defaults, build_parser
+
+    args = build_parser().parse_args(["--size", "cpu-vlm"])
+    _size_defaults(args, "cpu-vlm")
+    assert (args.steps, args.warmup) == (8, 2)
+    args = build_parser().parse_args(["--steps", "3"])
+    _size_defaults(args, "cpu")
+    assert (args.steps, args.warmup) == (3, 5)

@@ -5,6 +5,7 @@ Usage::
     vlmfast bench                              # CPU: size cpu, 40 steps x 5 rounds, all configurations + headroom
     vlmfast bench --quick                      # every configuration for 2 steps, once (a smoke test, < 1 min)
     vlmfast bench --size gpu --repeats 3       # on a GPU: the ~150M-parameter model
+    vlmfast bench --size cpu-vlm --no-headroom # CPU: 21.7M parameters, 0-4 images, 16-1024 tokens; 2+8 steps
     vlmfast bench --configs start,vlmfast,accelerate --repeats 9 --no-headroom
     vlmfast bench --render benchmarks/results/cpu/compare.json      # Markdown + charts again from the JSON
 
@@ -28,10 +29,13 @@ QUICK = {"steps": 2, "warmup": 1, "repeats": 1}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", choices=["cpu", "gpu"], default=None,
-                        help="model and batch size (default: gpu on CUDA, else cpu)")
-    parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps per run (default 40)")
-    parser.add_argument("--warmup", type=int, default=5, help="steps per run before timing starts (default 5)")
+    parser.add_argument("--size", choices=["cpu", "cpu-vlm", "gpu"], default=None,
+                        help="model, data and batch size (default: gpu on CUDA, else cpu); cpu-vlm: a 21.7M-parameter "
+                        "VLM on 0-4 images and 16-1024 text tokens per sample, compute-bound on a CPU")
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run (default: the "
+                        "size's, 40; cpu-vlm 8)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps per run before timing starts (default: the "
+                        "size's, 5; cpu-vlm 2)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all configurations (default 5)")
     parser.add_argument("--configs", default=None, help="comma-separated configuration names (default: all; "
                         "'start' is always added, every ratio is against it)")
@@ -89,6 +93,7 @@ def run_bench(args: argparse.Namespace) -> int:
     size = args.size or ("gpu" if device.type == "cuda" else "cpu")
     if args.quick:
         args.steps, args.warmup, args.repeats = QUICK["steps"], QUICK["warmup"], QUICK["repeats"]
+    _size_defaults(args, size)
     out = Path(args.out) if args.out else Path("benchmarks") / "results" / device_dir(device)
     # compare.md / headroom.md for the device's own size: the names docs/benchmarks.md includes for every device.
     suffix = ("" if size == ("gpu" if device.type == "cuda" else "cpu") else f"_{size}") + ("_quick" * args.quick)
@@ -102,6 +107,14 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size_defaults(args: argparse.Namespace, size: str) -> None:
+    """--steps / --warmup not given: the size's own (a cpu-vlm step takes seconds, a cpu step tens of ms)."""
+    from vlmfast.bench.workload import SIZES
+
+    args.steps = SIZES[size].steps if args.steps is None else args.steps
+    args.warmup = SIZES[size].warmup if args.warmup is None else args.warmup
+
+
 def _compare(args: argparse.Namespace, device: Any, size: str, path: Path) -> Path:
     from vlmfast.bench.configs import BEST_REASONS, START, build_configs
     from vlmfast.bench.harness import run_comparison
@@ -110,7 +123,7 @@ def _compare(args: argparse.Namespace, device: Any, size: str, path: Path) -> Pa
 
     workload = build_workload(size, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size)
     without = [name for name in args.without.split(",") if name]
-    configs = build_configs(device.type, without, quick=args.quick)
+    configs = build_configs(device.type, without, quick=args.quick, size=size)
     if args.configs:
         wanted = {START, *args.configs.split(",")}
         unknown = wanted - {c.name for c in configs}

@@ -30,6 +30,7 @@ from vlmfast.bench.runners import (
     hf_trainer,
     vlmfast_run,
 )
+from vlmfast.bench.workload import SIZES
 
 __all__ = ["BEST_REASONS", "RUNNERS", "BenchConfig", "best_spec", "build_configs", "skip_reason"]
 
@@ -67,15 +68,24 @@ PACK_TOKENS = {"cpu": 73, "cuda": 1024}
 QUICK_COMPILE_BACKEND = "aot_eager"
 
 
-def _strategies(device_type: str, quick: bool = False) -> dict[str, tuple[dict[str, Any], str]]:
+def _packing(device_type: str, size: str | None) -> dict[str, Any]:
+    """The packing section for a device type and benchmark size: the size's row budget where it sets one, and no
+    added image placeholders for multi-image data (they are in its input_ids already)."""
+    bench = SIZES.get(size) if size else None
+    pack = {"enabled": True, "max_tokens": (bench and bench.pack_tokens) or PACK_TOKENS[device_type]}
+    return {**pack, "image_tokens": 0} if bench and bench.data == "multi-image" else pack
+
+
+def _strategies(device_type: str, quick: bool = False,
+                size: str | None = None) -> dict[str, tuple[dict[str, Any], str]]:
     """vlmfast spec overrides that switch on one strategy each, with the row's description."""
     compile_backend = QUICK_COMPILE_BACKEND if quick else "inductor"
+    packing = _packing(device_type, size)
     return {
         "bf16": ({"precision": "bf16"}, "bf16 autocast"),
         "tf32": ({"tf32": True}, "TF32 matmuls (CUDA)"),
         "sdpa": ({"attention": {"backend": "sdpa"}}, "attention backend: eager -> SDPA"),
-        "packing": ({"packing": {"enabled": True, "max_tokens": PACK_TOKENS[device_type]}},
-                    f"sequence packing into rows of {PACK_TOKENS[device_type]} tokens"),
+        "packing": ({"packing": packing}, f"sequence packing into rows of {packing['max_tokens']} tokens"),
         # shuffle: the grouped batches in random order (windows sorted by length, batches shuffled); unshuffled,
         # one window holds the whole short epoch and the run trains longest-first, which hurts the loss.
         "group_by_length": ({"data": {"group_by_length": "length", "shuffle": True}},
@@ -121,12 +131,14 @@ def best_set(device_type: str, without: Collection[str] = ()) -> list[str]:
     return [name for name in BEST[device_type] if name not in without]
 
 
-def best_spec(device_type: str, without: Collection[str] = (), quick: bool = False) -> dict[str, Any]:
-    """The spec overrides of vlmfast's best configuration on `device_type` ("cpu" or "cuda"), less `without`."""
+def best_spec(device_type: str, without: Collection[str] = (), quick: bool = False,
+              size: str | None = None) -> dict[str, Any]:
+    """The spec overrides of vlmfast's best configuration on `device_type` ("cpu" or "cuda"), less `without`, for
+    the benchmark `size` (its packing budget; default: the device type's)."""
     from vlmfast.bench.runners import _deep_merge
 
     spec: dict[str, Any] = {}
-    strategies = _strategies(device_type, quick)
+    strategies = _strategies(device_type, quick, size)
     best = best_set(device_type, without)
     for name in best:
         spec = _deep_merge(spec, strategies[name][0])
@@ -141,10 +153,12 @@ def _manual_workers(device_type: str) -> int:
     return min(8, cpus // 2) if device_type == "cuda" else 0
 
 
-def build_configs(device_type: str, without: Collection[str] = (), quick: bool = False) -> list[BenchConfig]:
+def build_configs(device_type: str, without: Collection[str] = (), quick: bool = False,
+                  size: str | None = None) -> list[BenchConfig]:
     """Every configuration for a device type ("cpu" or "cuda"), in run order; the best rows (vlmfast's and the other
     tools') leave out the strategies in `without`; `quick` (``bench --quick``): compile rows use
-    :data:`QUICK_COMPILE_BACKEND`."""
+    :data:`QUICK_COMPILE_BACKEND`; `size`: the benchmark size (:data:`vlmfast.bench.workload.SIZES`), whose data
+    and packing budget the packing rows follow."""
     best = best_set(device_type, without)
     loop_best = Settings(precision="bf16" if "bf16" in best else "fp32", attention="sdpa" if "sdpa" in best else
                          "eager", compile="compile" in best, tf32="tf32" in best,
@@ -160,11 +174,11 @@ def build_configs(device_type: str, without: Collection[str] = (), quick: bool =
                     "same, with the defaults' start-up costs: FLOPs measured per new batch shape, leak census at "
                     "step 30"),
     ]
-    for name, (spec, description) in _strategies(device_type, quick).items():
+    for name, (spec, description) in _strategies(device_type, quick, size).items():
         configs.append(BenchConfig(f"vlmfast+{name}", "vlmfast", Settings(spec=spec), "strategy", description,
                                    strategy=name, cuda_only=name == "tf32"))
     configs += [
-        BenchConfig("vlmfast-best", "vlmfast", Settings(spec=best_spec(device_type, without, quick)), "best",
+        BenchConfig("vlmfast-best", "vlmfast", Settings(spec=best_spec(device_type, without, quick, size)), "best",
                     "vlmfast: " + " + ".join(best)),
         BenchConfig("accelerate", "accelerate", Settings(), "equal", "Accelerate loop, starting point's settings"),
         BenchConfig("accelerate-best", "accelerate", loop_best, "best", f"Accelerate: {what}"),

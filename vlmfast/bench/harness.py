@@ -5,7 +5,9 @@ machine (thermal, other jobs) hits all configurations alike. A run's first ``war
 allocator and worker start-up); its figures come from the timed steps: samples/s and real tokens/s over their
 total time, step-time p50/p90, achieved TFLOP/s of the real tokens' model FLOPs, MFU against the device's bf16 dense
 peak (none known on CPU). A configuration's figure is the median over rounds; ratios are paired (this round's run
-against this round's starting point), then the median is taken.
+against this round's starting point), then the median is taken. Quality: each row's eval loss (median, min, max
+over rounds) against the starting point's (:mod:`vlmfast.bench.quality`); a row that trains worse beyond the noise
+gets no quality-adjusted throughput, and a throughput target does not count it as ahead.
 
 Usage::
 
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from vlmfast.bench.configs import START, BenchConfig, skip_reason
+from vlmfast.bench.quality import pair_verdict, quality_table, quality_text
 from vlmfast.bench.runners import RunResult
 from vlmfast.bench.workload import Workload
 from vlmfast.common.tf32 import restore_tf32_state, tf32_state
@@ -39,7 +42,8 @@ log = logging.getLogger(__name__)
 # The issue's targets: (what, config, compared with, measure, op, threshold, device types). Measures: "throughput"
 # is the paired samples/s ratio (any two rows); "p50" the paired ratio of median step times, used where both rows
 # train on identical batches (equal settings), since it is robust to the odd step another process slows down;
-# "overhead" is 100 * (1 / p50 ratio - 1), in percent.
+# "overhead" is 100 * (1 / p50 ratio - 1), in percent. A "throughput" target also needs the row's eval loss to be
+# the same as the other row's or better (vlmfast.bench.quality): a row that trains worse is not ahead.
 MUST_SHOW: list[tuple[str, str, str, str, str, float, tuple[str, ...]]] = [
     ("vlmfast overhead vs hand-written at equal settings (%)", "vlmfast", START, "overhead", "<=", 2.0,
      ("cpu", "cuda")),
@@ -132,12 +136,16 @@ def run_comparison(workload: Workload, configs: Sequence[BenchConfig], repeats: 
                      f"{run['step_time_p50_s'] * 1e3:7.2f} ms, eval loss {run['eval_loss']:.4f}")
     runs = {name: values for name, values in runs.items() if name not in skipped}
     summary = {name: _median_run(values) for name, values in runs.items()}
+    for name, values in runs.items():  # the eval loss's spread over rounds: the noise of the quality verdict
+        summary[name]["eval_loss_min"] = min(run["eval_loss"] for run in values)
+        summary[name]["eval_loss_max"] = max(run["eval_loss"] for run in values)
     for values in runs.values():  # what a run switched on is the same every round: kept once, in the summary
         for run in values:
             run.pop("details", None)
     ratios = {name: _paired(runs, name) for name in runs}
-    return {"configs": [_describe(c, skipped.get(c.name)) for c in configs], "runs": runs, "summary": summary,
-            "ratios": ratios, "skipped": skipped, "must_show": check_must_show(ratios, device.type)}
+    result = {"configs": [_describe(c, skipped.get(c.name)) for c in configs], "runs": runs, "summary": summary,
+              "ratios": ratios, "skipped": skipped}
+    return {**result, "quality": quality_table(result), "must_show": check_must_show(ratios, device.type, result)}
 
 
 def _describe(config: BenchConfig, skipped: str | None) -> dict[str, Any]:
@@ -170,8 +178,12 @@ def _paired(runs: dict[str, list[dict[str, Any]]], name: str) -> dict[str, Any]:
     return out
 
 
-def check_must_show(ratios: dict[str, Any], device_type: str) -> list[dict[str, Any]]:
-    """Each target of the issue that applies to this device: the measured figure and whether it is met."""
+def check_must_show(ratios: dict[str, Any], device_type: str,
+                    result: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Each target of the issue that applies to this device: the measured figure and whether it is met.
+
+    With `result` (summary and runs: the eval losses), a throughput target is met only when the row's quality is the
+    same as the other row's or better (``quality``: the verdict's text); without it, on speed alone."""
     checks = []
     for what, mine, other, measure, op, threshold, devices in MUST_SHOW:
         if device_type not in devices:
@@ -182,6 +194,12 @@ def check_must_show(ratios: dict[str, Any], device_type: str) -> list[dict[str, 
             value = 100 * (1 / value - 1)
         met = None if value is None else {"<=": value <= threshold, ">": value > threshold,
                                           ">=": value >= threshold}[op]
-        checks.append({"what": what, "rule": f"{measure}({mine} vs {other}) {op} {threshold}", "value": value,
-                       "met": met})
+        check = {"what": what, "rule": f"{measure}({mine} vs {other}) {op} {threshold}", "value": value, "met": met}
+        verdict = pair_verdict(result, mine, other) if result is not None and measure == "throughput" else None
+        if verdict is not None:
+            check["rule"] += f", eval loss not worse than {other}'s"
+            check["quality"] = quality_text(verdict)
+            if verdict["verdict"] == "worse" and met:
+                check["met"] = False
+        checks.append(check)
     return checks

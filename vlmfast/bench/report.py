@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from vlmfast.bench.quality import QUALITY_TOLERANCE, eval_loss_spread, quality_table, quality_text
 from vlmfast.common.safe_files import library_output, write_atomic
 
 __all__ = ["comparison_markdown", "device_dir", "environment", "headroom_markdown", "plot_comparison",
@@ -80,7 +81,14 @@ def _header(result: dict[str, Any]) -> str:
             f"batch {work['batch_size']}, {work['steps']} timed steps after {work['warmup_steps']} warm-up, "
             f"{result.get('repeats', 1)} interleaved round(s), medians; samples of {work['sample_tokens']['min']}-"
             f"{work['sample_tokens']['max']} tokens (mean {work['sample_tokens']['mean']:.1f}, image tokens "
-            "included).")
+            f"included){_images(work)}.")
+
+
+def _images(work: dict[str, Any]) -> str:
+    images = work.get("images_per_sample")
+    if not images or images["min"] == images["max"] == 1:
+        return ""
+    return f", {images['min']}-{images['max']} images per sample (mean {images['mean']:.1f})"
 
 
 def _memory(gb: float | None, kind: str) -> str:
@@ -93,14 +101,16 @@ def _memory(gb: float | None, kind: str) -> str:
 def comparison_markdown(result: dict[str, Any]) -> str:
     """The comparison as Markdown: header (machine, versions, command), one row per configuration, must-shows."""
     rows = ["| configuration | what it switches on | samples/s | x start | real tokens/s | step p50 / p90 (ms) | "
-            "peak memory | TFLOP/s | MFU | padding | train loss | eval loss |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "peak memory | TFLOP/s | MFU | padding | train loss | eval loss (min-max) | quality vs start | "
+            "quality-adjusted x start |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     summary, ratios = result["summary"], result["ratios"]
+    quality = quality_table(result)  # computed, not read: an old JSON without it renders the same way
     for config in result["configs"]:
         name = config["name"]
         if name not in summary:
             rows.append(f"| {name} | {config['description']} | skipped: {config['skipped'] or 'no run'} "
-                        "| | | | | | | | | |")
+                        "| | | | | | | | | | | |")
             continue
         s = summary[name]
         mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else "n/a"
@@ -109,13 +119,59 @@ def comparison_markdown(result: dict[str, Any]) -> str:
             f"{ratios[name].get('vs_start', float('nan')):.2f} | {s['tokens_per_s']:.0f} | "
             f"{s['step_time_p50_s'] * 1e3:.1f} / {s['step_time_p90_s'] * 1e3:.1f} | "
             f"{_memory(s.get('peak_memory_gb'), s['memory_kind'])} | {s['tflops']:.3f} | {mfu} | "
-            f"{s['padding_fraction']:.0%} | {s['final_train_loss']:.4f} | {s['eval_loss']:.4f} |")
-    lines = [_header(result), "", *rows, "", _notes(result), "", "Targets:", ""]
-    for check in result["must_show"]:
+            f"{s['padding_fraction']:.0%} | {s['final_train_loss']:.4f} | {_eval_loss(result, name)} | "
+            f"{_quality(quality.get(name))} | {_adjusted(quality.get(name))} |")
+    lines = [_header(result), "", *rows, "", _notes(result), "", _quality_notes(), "", "Targets:", ""]
+    for check in _checks(result):
         mark = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
         value = "n/a" if check["value"] is None else f"{check['value']:.3f}"
-        lines.append(f"- {check['what']}: `{check['rule']}` -> {value} (**{mark}**)")
+        note = f"; quality: {check['quality']}" if check.get("quality") else ""
+        lines.append(f"- {check['what']}: `{check['rule']}` -> {value}{note} (**{mark}**)")
     return "\n".join(lines)
+
+
+def _eval_loss(result: dict[str, Any], name: str) -> str:
+    loss = result["summary"][name]["eval_loss"]
+    spread = eval_loss_spread(result, name)
+    if spread is None or result["summary"][name].get("repeats", 1) < 2:  # one round: no spread to show
+        return f"{loss:.4f}"
+    return f"{loss:.4f} ({spread[0]:.4f}-{spread[1]:.4f})"
+
+
+def _quality(verdict: dict[str, Any] | None) -> str:
+    return "n/a" if verdict is None else quality_text(verdict)
+
+
+def _adjusted(verdict: dict[str, Any] | None) -> str:
+    if verdict is None:
+        return "n/a"
+    if not verdict["credited"]:
+        return f"n/a: eval loss {100 * verdict['delta']:+.1f} % (worse than noise ±{100 * verdict['noise']:.1f} %)"
+    ratio = verdict["adjusted_vs_start"]
+    return "n/a" if ratio is None else f"{ratio:.2f}"
+
+
+def _quality_notes() -> str:
+    return (f"Eval loss: median over rounds (min-max over the interleaved rounds). Quality vs start: the row's median "
+            f"eval loss against the starting point's, in % of the starting point's; **same** when the difference is "
+            f"within the noise, the larger of the two rows' min-max spreads and at least {QUALITY_TOLERANCE:.0%} of "
+            f"the starting point's loss (rows that see the same batches end at the same loss every round: a zero "
+            f"spread is no measure of how much training orders differ; with one round only this floor applies), "
+            f"else **better** or **worse**. Quality-adjusted x start: the x start figure, credited only when the "
+            f"quality is the same or better; a row that trains worse beyond the noise is not called faster (n/a). "
+            f"A throughput target counts a row as ahead only under the same rule against the row it is compared "
+            f"with.")
+
+
+def _checks(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets under the current rules (quality included), from the stored ratios; the stored list where a
+    result has none (an old or hand-made file)."""
+    if not result.get("ratios") or "environment" not in result:
+        return result.get("must_show", [])
+    from vlmfast.bench.harness import check_must_show
+
+    device_type = "cpu" if result["environment"].get("device") == "cpu" else "cuda"
+    return check_must_show(result["ratios"], device_type, result)
 
 
 def _notes(result: dict[str, Any]) -> str:
@@ -220,9 +276,10 @@ def plot_comparison(result: dict[str, Any], out_dir: Path, name: str) -> tuple[P
     summary = result["summary"]
     device = result["environment"]["device"]
     start = summary.get("start", {})
-    # A faster row that trains worse says so on its bar: speed alone would flatter it.
-    notes = [f"  (eval loss {summary[n]['eval_loss'] / start['eval_loss'] - 1:+.0%})"
-             if start and summary[n]["eval_loss"] > 1.01 * start["eval_loss"] else "" for n in labels]
+    # A row that trains worse beyond the noise says so on its bar: speed alone would flatter it.
+    quality = quality_table(result)
+    notes = [f"  (eval loss {quality[n]['delta']:+.0%}: worse)" if n in quality and not quality[n]["credited"]
+             else "" for n in labels]
     throughput = _bar_chart(labels, [summary[n]["samples_per_s"] for n in labels], colors, "samples/s (median)",
                             f"Training throughput, {device} (dashed: starting point)",
                             out_dir / f"{name}_throughput.png", reference=start.get("samples_per_s"), notes=notes)

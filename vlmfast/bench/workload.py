@@ -1,7 +1,9 @@
 """What every contender trains: one model init, one generated data set in one order, one way to count work.
 
 A :class:`Workload` holds the built-in tiny VLM at a named size (``cpu``: the default config, a step of tens of
-ms on a laptop core; ``gpu``: a ViT-B/16 tower + a 12-layer 768-d decoder, ~150M parameters), the initial weights
+ms on a laptop core; ``cpu-vlm``: a 21.7M-parameter VLM on multi-image samples with long-tailed text, a step of
+seconds on a CPU, see :mod:`vlmfast.bench.multi_image`; ``gpu``: a ViT-B/16 tower + a 12-layer 768-d decoder, ~150M
+parameters), the initial weights
 (every run starts from the same ones), a data set of exactly ``(warmup + steps) x batch_size`` samples in a fixed
 shuffled order (every contender sees every sample once), and held-out batches for an evaluation loss that is
 computed the same way for everyone after training.
@@ -31,8 +33,10 @@ from torch.utils.data import Dataset
 
 from vlmfast.attention import set_attention_backend
 from vlmfast.attention.documents import PackedDocuments
+from vlmfast.bench.multi_image import MultiImageCollator, MultiImageShapesDataset
 from vlmfast.models import ShapesCaptionDataset, TinyVLM, TinyVLMConfig, VLMCollator
-from vlmfast.profiling import analytic_flops
+from vlmfast.profiling import analytic_flops, transformer_flops
+from vlmfast.profiling.flops import describe_towers
 
 __all__ = ["MODEL_SIZES", "SIZES", "BenchDataset", "BenchSize", "Workload", "build_workload", "evaluate_loss"]
 
@@ -41,12 +45,16 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
     "tiny": {},
     "base": {"image_size": 224, "patch_size": 16, "vision_dim": 768, "vision_layers": 12, "vision_heads": 12,
              "text_dim": 768, "text_layers": 12, "text_heads": 12, "max_text_len": 64},
+    # 21.7M parameters (18.9M in the 6 decoder layers): compute-bound on a CPU. Positions for 4 images of 9 tokens
+    # and 1024 text tokens (the model adds one image's 9 to max_text_len).
+    "vlm20m": {"vision_dim": 256, "vision_layers": 2, "vision_heads": 4, "text_dim": 512, "text_layers": 6,
+               "text_heads": 8, "max_text_len": 1024 + 3 * 9},
 }
 
 
 @dataclass(frozen=True)
 class BenchSize:
-    """A benchmark size: model config, samples per optimizer step, learning rate, and the data's caption spread."""
+    """A benchmark size: model config, samples per optimizer step, learning rate, the data, default run length."""
 
     model: str
     batch_size: int
@@ -55,21 +63,33 @@ class BenchSize:
     # included) and padding, grouping and packing strategies have real waste to remove.
     max_objects: int = 8
     eval_samples: int = 64
+    # "captions": one image and its caption per sample (ShapesCaptionDataset, VLMCollator); "multi-image": 0-4
+    # images and 16-1024 text tokens, long-tailed (vlmfast.bench.multi_image), image placeholders in input_ids.
+    data: str = "captions"
+    steps: int = 40  # `vlmfast bench` defaults for --steps / --warmup
+    warmup: int = 5
+    pack_tokens: int | None = None  # packing's row budget; None: the device type's (configs.PACK_TOKENS)
 
 
 SIZES: dict[str, BenchSize] = {
     "cpu": BenchSize(model="tiny", batch_size=16, lr=1e-3),
+    # A model big enough to be compute-bound on a CPU (the tiny one's step is Python-bound), on data where padding
+    # is most of a padded batch: 4 samples per step (a padded batch of 4 is ~50 % padding), 2 + 8 steps, ~2-3 s each
+    # on 2 idle cores. lr 3e-4: 1e-3 made the first steps' loss jump at this size.
+    "cpu-vlm": BenchSize(model="vlm20m", batch_size=4, lr=3e-4, eval_samples=32, data="multi-image", steps=8,
+                         warmup=2, pack_tokens=1024 + 4 * 9),
     "gpu": BenchSize(model="base", batch_size=32, lr=3e-4),
 }
 
 
 class BenchDataset(Dataset):
-    """Generated shapes samples in a fixed order, with ``lengths`` (caption tokens) for length grouping.
+    """Generated samples in a fixed order, with ``lengths`` (the ``input_ids`` of each sample: captions; with
+    multi-image data, image placeholders included) for length grouping.
 
     Usage: ``BenchDataset(ShapesCaptionDataset(...), order=[5, 2, ...])[0]`` is the base data set's sample 5.
     """
 
-    def __init__(self, base: ShapesCaptionDataset, order: Sequence[int]) -> None:
+    def __init__(self, base: ShapesCaptionDataset | MultiImageShapesDataset, order: Sequence[int]) -> None:
         self.base = base
         self.order = list(order)
         # Cheap: caption ids come from the scene's random decisions, nothing is rendered.
@@ -81,7 +101,12 @@ class BenchDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         sample = self.base[self.order[index]]
         # Only what the collator reads: the HF Trainer's default collation path never sees unknown keys.
-        return {"image": sample["image"], "input_ids": sample["input_ids"]}
+        return {k: sample[k] for k in ("image", "images", "input_ids") if k in sample}
+
+    def images_per_sample(self) -> list[int]:
+        """Images of each sample (nothing rendered): 1 each for caption data."""
+        count = getattr(self.base, "num_images", None)
+        return [count(i) if count is not None else 1 for i in self.order]
 
 
 @dataclass
@@ -95,10 +120,11 @@ class Workload:
     warmup: int
     lr: float
     dataset: BenchDataset
-    collate: VLMCollator
+    collate: VLMCollator | MultiImageCollator
     eval_batches: list[dict[str, Tensor]]
     init_state: dict[str, Tensor]
-    flops_coefficients: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0))
+    # (a, b, c, v): FLOPs of a sample of n real tokens and m images = c + v*m + a*n + b*n^2
+    flops_coefficients: tuple[float, float, float, float] = field(default=(0.0, 0.0, 0.0, 0.0))
 
     @property
     def total_steps(self) -> int:
@@ -107,6 +133,12 @@ class Workload:
     @property
     def image_tokens(self) -> int:
         return self.config.num_image_tokens
+
+    @property
+    def prepended_tokens(self) -> int:
+        """Tokens a sample has beyond its ``lengths`` entry: caption data's image tokens (the model prepends them);
+        none for multi-image data (its placeholders are in ``input_ids``)."""
+        return 0 if isinstance(self.collate, MultiImageCollator) else self.image_tokens
 
     @property
     def num_parameters(self) -> int:
@@ -124,19 +156,25 @@ class Workload:
     def batch_stats(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
         """Samples, real tokens, token slots and model FLOPs of a padded or packed batch, as lazy tensors."""
         n = _document_lengths(batch, self.image_tokens).double()  # zeros for empty slots: they add nothing
-        a, b, c = self.flops_coefficients
+        a, b, c, v = self.flops_coefficients
         samples = (n > 0).sum()
+        # Per-row image layouts count their images; otherwise one image per sample (the padded caption batch).
+        images = batch["images_per_row"].sum() if "images_per_row" in batch else samples
         slots = batch["input_ids"].numel() + (0 if "position_ids" in batch else self.image_tokens * n.numel())
         return {"samples": samples, "tokens": n.sum(), "slots": torch.tensor(slots),
-                "flops": c * samples + a * n.sum() + b * (n * n).sum()}
+                "flops": c * samples + v * images + a * n.sum() + b * (n * n).sum()}
 
     def describe(self) -> dict[str, Any]:
-        lengths = torch.tensor(self.dataset.lengths, dtype=torch.float64) + self.image_tokens
+        lengths = torch.tensor(self.dataset.lengths, dtype=torch.float64) + self.prepended_tokens
+        images = torch.tensor(self.dataset.images_per_sample(), dtype=torch.float64)
         return {
             "size": self.size, "parameters": self.num_parameters, "config": vars(self.config),
+            "data": SIZES[self.size].data if self.size in SIZES else None,
             "batch_size": self.batch_size, "steps": self.steps, "warmup_steps": self.warmup, "lr": self.lr,
             "samples_per_run": len(self.dataset), "real_tokens_per_run": int(lengths.sum()),
-            "sample_tokens": {"min": int(lengths.min()), "mean": float(lengths.mean()), "max": int(lengths.max())},
+            "sample_tokens": {"min": int(lengths.min()), "mean": float(lengths.mean()),
+                              "median": float(lengths.median()), "max": int(lengths.max())},
+            "images_per_sample": {"min": int(images.min()), "mean": float(images.mean()), "max": int(images.max())},
             "eval_samples": sum(int(b["input_ids"].shape[0]) for b in self.eval_batches),
         }
 
@@ -154,39 +192,52 @@ def _document_lengths(batch: Mapping[str, Any], image_tokens: int) -> Tensor:
     return torch.bincount(flat, weights=real, minlength=rows * (width + 1))
 
 
-def _flops_coefficients(model: TinyVLM, image_tokens: int) -> tuple[float, float, float]:
-    """(a, b, c) with FLOPs of one sample of n tokens = c + a*n + b*n^2, fitted exactly to the analytic formula."""
-    def sample_flops(text_tokens: int) -> float:
+def _flops_coefficients(model: TinyVLM, image_tokens: int) -> tuple[float, float, float, float]:
+    """(a, b, c, v) with FLOPs of one sample of n tokens and m images = c + v*m + a*n + b*n^2, fitted exactly to the
+    analytic formula (v: the vision tower and projector on one image)."""
+    def sample_batch(text_tokens: int) -> dict[str, Tensor]:
         ids = torch.ones(1, text_tokens, dtype=torch.long)
-        return analytic_flops(model, {"input_ids": ids, "attention_mask": ids,
-                                      "pixel_values": torch.zeros(1, 3, model.config.image_size,
-                                                                  model.config.image_size)})
+        size = model.config.image_size
+        return {"input_ids": ids, "attention_mask": ids, "pixel_values": torch.zeros(1, 3, size, size)}
 
     xs = [image_tokens + t for t in (4, 8, 16)]
-    ys = [sample_flops(x - image_tokens) for x in xs]
+    ys = [analytic_flops(model, sample_batch(x - image_tokens)) for x in xs]
     basis = torch.tensor([[1.0, x, x * x] for x in xs], dtype=torch.float64)
     c, a, b = torch.linalg.solve(basis, torch.tensor(ys, dtype=torch.float64)).tolist()
-    return a, b, c
+    v = sum(transformer_flops(tower) for tower in describe_towers(model, sample_batch(4))[:-1])  # all but the LM
+    return a, b, c - v, v
 
 
-def build_workload(size: str = "cpu", steps: int = 40, warmup: int = 5, seed: int = 0,
+def build_workload(size: str = "cpu", steps: int | None = None, warmup: int | None = None, seed: int = 0,
                    batch_size: int | None = None) -> Workload:
-    """The shared model init, data order and held-out batches for a size in :data:`SIZES`.
+    """The shared model init, data order and held-out batches for a size in :data:`SIZES` (steps and warm-up steps:
+    the size's defaults unless given).
 
     Usage: ``workload = build_workload("cpu", steps=40, warmup=5)``
     """
     if size not in SIZES:
         raise ValueError(f"unknown benchmark size '{size}': choose from {sorted(SIZES)}")
     bench = SIZES[size]
+    steps = bench.steps if steps is None else steps
+    warmup = bench.warmup if warmup is None else warmup
     batch = batch_size or bench.batch_size
     config = TinyVLMConfig(**MODEL_SIZES[bench.model])
     train_samples = (warmup + steps) * batch
-    base = ShapesCaptionDataset(num_samples=train_samples + bench.eval_samples, seed=seed,
-                                max_objects=bench.max_objects)
+    base: ShapesCaptionDataset | MultiImageShapesDataset
+    collate: VLMCollator | MultiImageCollator
+    if bench.data == "multi-image":
+        base = MultiImageShapesDataset(train_samples + bench.eval_samples, seed=seed, max_objects=bench.max_objects,
+                                       image_tokens=config.num_image_tokens)
+        collate = MultiImageCollator(image_size=config.image_size, pad_id=base.tokenizer.pad_id)
+    else:
+        base = ShapesCaptionDataset(num_samples=train_samples + bench.eval_samples, seed=seed,
+                                    max_objects=bench.max_objects)
+        collate = VLMCollator(image_size=config.image_size, pad_id=base.tokenizer.pad_id)
     # One fixed shuffled order: runs that do not reorder (padding, packing) see identical batches.
     order = torch.randperm(train_samples, generator=torch.Generator().manual_seed(seed)).tolist()
-    collate = VLMCollator(image_size=config.image_size, pad_id=base.tokenizer.pad_id)
     held_out = list(range(train_samples, train_samples + bench.eval_samples))
+    if bench.data == "multi-image":  # long-tailed lengths: held-out batches of similar length, little padding
+        held_out.sort(key=lambda i: len(base.caption_ids(i)))
     eval_batches = [collate([base[i] for i in held_out[k:k + batch]]) for k in range(0, len(held_out), batch)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
