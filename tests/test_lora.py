@@ -357,44 +357,123 @@ def test_qlora_trains_the_adapters_on_a_4bit_base_and_resumes_on_it(tmp_path):
 
 
 # ---- 2 gloo ranks (DDP, FSDP2, ZeRO-2) equal one process, no find_unused_parameters -------------------------------
+# ---- under FSDP2 and ZeRO-2 a checkpoint holds the trainable state alone and resumes bit-exactly --------------------
 ENGINES = {"ddp": {}, "fsdp": {"engine": "fsdp"}, "zero2": {"engine": "deepspeed", "deepspeed": {"zero_stage": 2}}}
+SAVING = ("fsdp", "zero2")  # the engines whose LoRA checkpoints are checked here (one process and DDP: above)
 
 
-def _lora_tiny(batch_size: int, engine: dict | None = None) -> dict[str, torch.Tensor]:
+def _lora_trainer(batch_size: int, engine: dict | None = None, save: str | None = None,
+                  change_base: bool = False) -> OptimizedTrainer:
     from conftest import TinyCausalLM, TokenDataset
 
     torch.manual_seed(0)
-    trainer_spec = spec(max_steps=3, batch_size=batch_size, micro_batch_size=2, lora={"r": 4}, **(engine or {}))
-    trainer = OptimizedTrainer(TinyCausalLM().double(), TokenDataset(32), trainer_spec)
+    model = TinyCausalLM().double()
+    if change_base:
+        with torch.no_grad():
+            model.embed.weight[0, 0] += 1e-3  # one frozen element
+    saving = {"save": {"dir": save, "every_steps": 2}} if save else {}  # step 2, and the final step 3
+    trainer_spec = spec(max_steps=3, batch_size=batch_size, micro_batch_size=2, lora={"r": 4},
+                        optimizer={"momentum": 0.9}, **saving, **(engine or {}))  # momentum: optimizer state to save
+    return OptimizedTrainer(model, TokenDataset(32), trainer_spec)
+
+
+def _trained(trainer: OptimizedTrainer) -> dict[str, torch.Tensor]:
+    params = trainer.engine.module.named_parameters()
+    return {n: _full(p).detach().clone() for n, p in params if p.requires_grad} | {"frozen": sum(
+        float(_full(p).double().sum()) for _, p in trainer.engine.module.named_parameters() if not p.requires_grad)}
+
+
+def _lora_tiny(batch_size: int, engine: dict | None = None, save: str | None = None) -> dict[str, torch.Tensor]:
+    trainer = _lora_trainer(batch_size, engine, save)
     trainer.fit()
     kind = type(trainer.model).__name__
     assert "PeftModel" in kind if batch_size == 8 else kind in ("DistributedDataParallel", "FSDPPeftModel",
                                                                 "DeepSpeedEngine"), kind
-    params = trainer.engine.module.named_parameters()
-    return {n: _full(p).detach().clone() for n, p in params if p.requires_grad} | {"frozen": sum(
-        float(_full(p).double().sum()) for _, p in trainer.engine.module.named_parameters() if not p.requires_grad)}
+    frozen = [(n, _full(p)) for n, p in trainer.engine.module.named_parameters() if not p.requires_grad]
+    return _trained(trainer) | {"frozen_names": sorted(n for n, _ in frozen),
+                                "frozen_bytes": sum(p.numel() * p.element_size() for _, p in frozen)}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # an FSDP2 DTensor: gathered
 
 
-def _all_engines(batch_size: int) -> dict[str, dict]:
-    """Each engine's run in turn, in one launch (the process group is set up once)."""
-    return {name: _lora_tiny(batch_size, engine) for name, engine in ENGINES.items()}
+def _checkpoint_contents(folder) -> tuple[set[str], int]:
+    """Every string key in every file of a checkpoint (DeepSpeed's shards too), and the bytes of its floating-point
+    tensors."""
+    from pathlib import Path
+
+    keys, floats = set(), 0
+
+    def walk(obj) -> None:
+        nonlocal floats
+        if isinstance(obj, dict):
+            keys.update(k for k in obj if isinstance(k, str))
+            for value in obj.values():
+                walk(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                walk(value)
+        elif isinstance(obj, torch.Tensor) and obj.is_floating_point():
+            floats += obj.numel() * obj.element_size()
+
+    for f in Path(folder).rglob("*.pt"):
+        walk(torch.load(f, map_location="cpu", weights_only=False))  # this test's own files
+    return keys, floats
+
+
+def _resume(batch_size: int, name: str, directory: str, change_base: bool = False):
+    """The run resumed from its step 2 (step 3 removed), or the SpecError of a resume onto a changed base."""
+    import shutil
+
+    from vlmfast.engines.collectives import barrier
+
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(f"{directory}/{name}/step_00000003", ignore_errors=True)
+    barrier()
+    trainer = _lora_trainer(batch_size, ENGINES[name], f"{directory}/{name}", change_base)
+    try:
+        result = trainer.fit()
+    except SpecError as exc:
+        return str(exc)
+    return result.resumed_from.name, _trained(trainer)
+
+
+def _all_engines(batch_size: int, directory: str) -> tuple[dict, dict]:
+    """Each engine's run in turn, in one launch (the process group is set up once); then, under FSDP2 and ZeRO-2, what
+    the step-2 checkpoint holds, the resumed run, and a resume onto a base with one frozen element changed."""
+    runs = {name: _lora_tiny(batch_size, engine, f"{directory}/{name}" if name in SAVING else None)
+            for name, engine in ENGINES.items()}
+    checks = {name: {"contents": _checkpoint_contents(f"{directory}/{name}/step_00000002"),
+                     "resumed": _resume(batch_size, name, directory),
+                     "changed_base": _resume(batch_size, name, directory, change_base=True)} for name in SAVING}
+    return runs, checks
 
 
 @pytest.mark.timeout(300)
 def test_two_ranks_under_ddp_fsdp2_and_zero2_train_the_adapters_as_one_process_with_the_global_batch(tmp_path):
     from conftest import spawn_two_ranks
 
-    ranks = spawn_two_ranks(_all_engines, tmp_path, "lora_engines", 4)
+    ranks = spawn_two_ranks(_all_engines, tmp_path, "lora_engines", 4, str(tmp_path))
     reference = _lora_tiny(8)
-    frozen = reference.pop("frozen")
-    for rank in ranks:
-        for engine, params in rank.items():
+    frozen, frozen_names, frozen_bytes = (reference.pop(key) for key in ("frozen", "frozen_names", "frozen_bytes"))
+    trainable_bytes = sum(p.numel() * p.element_size() for p in reference.values())
+    for runs, checks in ranks:
+        for engine, params in runs.items():
             assert params.pop("frozen") == frozen, engine  # the base never moves
+            assert params.pop("frozen_names") == frozen_names and params.pop("frozen_bytes") == frozen_bytes, engine
             assert sorted(params) == sorted(reference) and any("lora_B" in n for n in params), engine
             diff = torch.cat([(params[n] - p).flatten() for n, p in reference.items()]).norm()
             scale = torch.cat([p.flatten() for p in reference.values()]).norm()
             assert diff <= 1e-6 * scale, f"{engine}: off by {float(diff / scale):.1e}"
+        for engine, check in checks.items():
+            keys, floats = check["contents"]
+            assert not keys & set(frozen_names), (engine, sorted(keys & set(frozen_names))[:3])  # no frozen tensor
+            assert all(n in keys for n in reference), engine  # the adapters are there
+            # weights, momentum and ZeRO's fp32 master partition of the adapters: no unnamed copy of the base either
+            assert floats <= 3 * trainable_bytes < frozen_bytes, (engine, floats, trainable_bytes, frozen_bytes)
+            resumed_from, params = check["resumed"]
+            assert resumed_from == "step_00000002", engine
+            assert all(torch.equal(params[n], p) for n, p in runs[engine].items()), engine  # bit-exact
+            assert params["frozen"] == frozen, engine
+            assert "frozen base weights differ from the checkpoint's (fingerprint" in check["changed_base"], engine

@@ -13,7 +13,7 @@ One process, DDP, FSDP2 and DeepSpeed answer the same points, so the training lo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,8 +143,9 @@ class Engine:
             self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state.get("precision", {}))
 
-    def save_shards(self, directory: Path) -> None:
-        """Engines with sharded state write every rank's part into `directory` (all ranks call it)."""
+    def save_shards(self, directory: Path, trainable_only: bool = False) -> None:
+        """Engines with sharded state write every rank's part into `directory` (all ranks call it); `trainable_only`
+        as in :meth:`state_dict`."""
 
     def load_shards(self, directory: Path) -> None:
         """Read back what :meth:`save_shards` wrote (all ranks call it)."""
@@ -156,9 +157,15 @@ class Engine:
 
 def _load_trainable(module: nn.Module, saved: dict[str, Any]) -> None:
     """Load a checkpoint of the trainable parameters alone: exactly those, nothing missing or unexpected."""
-    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
-    missing, unexpected = sorted(trainable - set(saved)), sorted(set(saved) - trainable)
+    check_trainable_names(module, saved)
+    module.load_state_dict(saved, strict=False)
+
+
+def check_trainable_names(module: nn.Module, saved: Iterable[str], also: Iterable[str] = ()) -> None:
+    """Refuse a checkpoint of the trainable parameters alone whose names are not `module`'s trainable parameters:
+    every one present, nothing else but `also` (what the engine saves besides them, e.g. buffers)."""
+    trainable, saved = {name for name, p in module.named_parameters() if p.requires_grad}, set(saved)
+    missing, unexpected = sorted(trainable - saved), sorted(saved - trainable - set(also))
     if missing or unexpected:
         raise ValueError(f"the checkpoint's trainable parameters do not match the model's: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]} (another lora configuration?)")
-    module.load_state_dict(saved, strict=False)

@@ -32,7 +32,7 @@ from accelerate.utils import recursively_apply
 from torch import nn
 
 from vlmfast.common.utils import PRECISION_DTYPES, notice_if_slow
-from vlmfast.engines.base import Engine, OptimizerFactory, StepResult
+from vlmfast.engines.base import Engine, OptimizerFactory, StepResult, check_trainable_names
 from vlmfast.engines.build_locks import explain_build_locks
 from vlmfast.engines.deepspeed_safe_load import weights_only_loading
 from vlmfast.engines.foreign_loops import filter_deepspeed_warnings
@@ -198,7 +198,12 @@ class DeepSpeedEngine(Engine):
         # the overflow in step() and skips the update itself, backing off its scale.
         self.engine.step()
 
-    keeps_trainable_only = False  # the whole (sharded) state: a LoRA run's checkpoint is not reduced here
+    @property
+    def keeps_trainable_only(self) -> bool:
+        """ZeRO-0/1/2: a LoRA checkpoint holds no frozen parameter (save_shards). ZeRO-3: the whole state, because the
+        frozen base's fingerprint (vlmfast.strategies.lora.frozen_fingerprint) reads the module's tensors, which are
+        then each rank's empty placeholders: a changed base would go unnoticed."""
+        return not self.shards_parameters
 
     def state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
         return {}  # weights and optimizer states live in DeepSpeed's shards (save_shards)
@@ -206,15 +211,25 @@ class DeepSpeedEngine(Engine):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restored by :meth:`load_shards`."""
 
-    def save_shards(self, directory: Path) -> None:
-        """Every rank writes its shard into `directory/deepspeed` (a collective: all ranks must call it)."""
-        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+    def save_shards(self, directory: Path, trainable_only: bool = False) -> None:
+        """Every rank writes its shard into `directory/deepspeed` (a collective: all ranks must call it).
+        `trainable_only` (DeepSpeed 0.19.8, runtime/engine.py): `save_checkpoint(exclude_frozen_parameters=True)`
+        drops the frozen parameters from `module_state_dict` (buffers stay) and, under ZeRO-2, the copy of them
+        `_save_checkpoint` adds otherwise (`frozen_param_fragments`, `save_frozen_param`); the ZeRO optimizer shards
+        (`_save_zero_checkpoint`) hold the optimizer's, i.e. trainable, parameters only in any case."""
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False,
+                                    exclude_frozen_parameters=trainable_only and self.keeps_trainable_only)
 
     def load_shards(self, directory: Path) -> None:
         """Restore model, optimizer and precision state from a checkpoint written by :meth:`save_shards` (every
         shard is unpickled weights-only: vlmfast.engines.deepspeed_safe_load)."""
         with weights_only_loading(self.engine):
-            path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_lr_scheduler_states=False)
+            # A LoRA checkpoint lacks the frozen parameters. `load_module_strict=False` would accept any missing key;
+            # `custom_load_fn` replaces the module load of `load_module_state_dict` (ignoring that flag), and ours
+            # checks the names first. Under ZeRO-1/2 the trainable weights are then refreshed from the fp32
+            # partitions of the optimizer shards (`_load_zero_checkpoint`).
+            path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_lr_scheduler_states=False,
+                                                  custom_load_fn=_load_module if self.keeps_trainable_only else None)
         if path is None:
             raise FileNotFoundError(f"{directory}/{CHECKPOINT_TAG}: no DeepSpeed checkpoint there (was this run "
                                     "trained with engine: deepspeed and the same zero_stage?)")
@@ -224,3 +239,14 @@ class DeepSpeedEngine(Engine):
         offload = "".join(f", {key}={zero[key]['device']}" for key in ("offload_optimizer", "offload_param")
                           if key in zero)
         return [f"deepspeed: ZeRO-{zero['stage']}, {self.spec.precision}{offload}"]
+
+
+def _load_module(src: dict[str, Any], dst: nn.Module) -> None:
+    """DeepSpeed's `custom_load_fn`: a module state with every key (any run), or without the frozen parameters (a LoRA
+    checkpoint: save_shards(trainable_only=True); the frozen base was checked by its fingerprint before loading)."""
+    frozen = {name for name, p in dst.named_parameters() if not p.requires_grad}
+    if not frozen or not frozen.isdisjoint(src):
+        dst.load_state_dict(src)  # strict: the whole state
+        return
+    check_trainable_names(dst, src, also=(name for name, _ in dst.named_buffers()))
+    dst.load_state_dict(src, strict=False)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from vlmfast.common.module_tree import find_repeated_blocks, matches
-from vlmfast.engines.base import Engine, OptimizerFactory
+from vlmfast.engines.base import Engine, OptimizerFactory, check_trainable_names
 from vlmfast.engines.process_group import ensure_process_group
 from vlmfast.spec import FSDPSpec, SpecError
 from vlmfast.strategies.precision import EnginePrecision
@@ -74,19 +74,28 @@ def _blocks(model: nn.Module, patterns: list[str]) -> list[nn.Module]:
     return found
 
 
-def full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Unsharded model and optimizer state on CPU: full on rank 0, empty elsewhere. A collective: every rank calls."""
+def full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    trainable_only: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Unsharded model and optimizer state on CPU: full on rank 0, empty elsewhere. A collective: every rank calls.
+    `trainable_only`: no frozen parameter (buffers stay). torch's ``ignore_frozen_params`` drops them from the local
+    state dict before anything is gathered (``_get_model_state_dict``), so the frozen base is never all-gathered; the
+    optimizer's state holds the trainable parameters only in any case."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                     ignore_frozen_params=trainable_only))
 
 
 def load_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
-                         optimizer_state: dict[str, Any]) -> None:
-    """Shard a full state (as :func:`full_state_dict` wrote it, read by every rank) back into `model`/`optimizer`."""
+                         optimizer_state: dict[str, Any], trainable_only: bool = False) -> None:
+    """Shard a full state (as :func:`full_state_dict` wrote it, read by every rank) back into `model`/`optimizer`.
+    `trainable_only`: the state holds no frozen parameter (checked here; they keep the model's own values)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+    if trainable_only:
+        check_trainable_names(model, model_state, also=(name for name, _ in model.named_buffers()))
+    # strict=False for the frozen parameters the state lacks (torch fills them from the model's local tensors).
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True, strict=not trainable_only))
     # torch's full-state optimizer load (`_load_optim_state_dict`) takes the device to scatter to from the local
     # optimizer state's tensors of dim > 0 and asserts "Expected device to be set" when there are none: a stateless
     # optimizer (SGD without momentum) on any device. With no such tensor there is nothing sharded to scatter: the
@@ -129,14 +138,16 @@ class FSDPEngine(Engine):
     def sync_context(self, model: nn.Module, last_micro_batch: bool) -> AbstractContextManager[Any]:
         return nullcontext() if last_micro_batch and not self._local else _no_gradient_sync(model)
 
-    keeps_trainable_only = False  # the whole (sharded) state: a LoRA run's checkpoint is not reduced here
+    keeps_trainable_only = True  # StateDictOptions.ignore_frozen_params: the frozen base is neither gathered nor saved
 
     def state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
-        model_state, optimizer_state = full_state_dict(self.module, self.optimizer)  # a collective
-        return {"model": model_state, "optimizer": optimizer_state}
+        model_state, optimizer_state = full_state_dict(self.module, self.optimizer, trainable_only)  # a collective
+        return {"model": model_state, "optimizer": optimizer_state,
+                **({"trainable_only": True} if trainable_only else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_full_state_dict(self.module, self.optimizer, state["model"], state["optimizer"])
+        load_full_state_dict(self.module, self.optimizer, state["model"], state["optimizer"],
+                             trainable_only=bool(state.get("trainable_only")))
 
     def describe(self) -> list[str]:
         return [describe(self.module, self.spec, self.precision_name)]

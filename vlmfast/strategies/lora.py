@@ -237,10 +237,13 @@ def apply_lora(model: nn.Module, spec: LoRASpec, probe_batch: Callable[[], Any] 
 
 def frozen_fingerprint(model: nn.Module) -> str:
     """SHA-256 over every frozen parameter (name, dtype, shape and bytes) and buffer: what a LoRA checkpoint does not
-    save, so a resume checks it is the same base, to the last element. Usage: ``frozen_fingerprint(model)[:12]``"""
+    save, so a resume checks it is the same base, to the last element. An FSDP2 shard (a DTensor) is gathered one
+    tensor at a time, so the fingerprint is the unsharded model's; it is then a collective, which every rank calls (the
+    trainer's state_dict and resume check do). Usage: ``frozen_fingerprint(model)[:12]``"""
     digest = hashlib.sha256()
     tensors = [(n, p) for n, p in model.named_parameters() if not p.requires_grad] + list(model.named_buffers())
     for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # FSDP2: gathered
         data = tensor.detach().reshape(-1)
         digest.update(f"{name}|{data.dtype}|{tuple(tensor.shape)}|".encode())
         for chunk in data.split(1 << 24):  # 16M elements at a time: a bounded host copy of a device tensor

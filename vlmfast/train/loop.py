@@ -454,8 +454,7 @@ class OptimizedTrainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: engine (model, optimizer), strategies, data position, counters,
         RNG, spec. Every rank calls it (an engine may gather with a collective)."""
-        lora = self._lora()
-        trainable_only = lora is not None and self.engine.keeps_trainable_only  # the frozen base: fingerprinted
+        lora, trainable_only = self._lora(), self._trainable_only()
         return {
             "engine": self.engine.state_dict(trainable_only=trainable_only),
             **({"frozen": lora.fingerprint()} if trainable_only else {}),
@@ -469,6 +468,10 @@ class OptimizedTrainer:
 
     def _lora(self) -> Any:
         return next((s for s in self.strategies if s.name == "lora"), None)
+
+    def _trainable_only(self) -> bool:
+        """Whether a checkpoint holds the trainable state alone: a LoRA run (its frozen base is fingerprinted)."""
+        return self._lora() is not None and self.engine.keeps_trainable_only
 
     def _data_fingerprint(self) -> dict[str, Any] | None:
         fingerprint = getattr(self.loader, "fingerprint", None)
@@ -567,7 +570,7 @@ class OptimizedTrainer:
         write = self.checkpointer.save if self.checkpointer is not None and self.is_main_process else save_checkpoint
         path = save_run(self.engine, self.state_dict, directory or self.spec.save.dir or "checkpoints",
                         self.state.step, self.spec.save.keep_last, meta={"samples_seen": self.state.samples_seen},
-                        write=write)
+                        write=write, trainable_only=self._trainable_only())
         if self.is_main_process:
             self._fire("on_save", path)
         return path

@@ -25,15 +25,16 @@ from vlmfast.spec import SpecError
 
 def save_run(engine: Engine, state_dict: Callable[[], dict[str, Any]], directory: str | Path, step: int,
              keep_last: int | None, meta: dict[str, Any] | None = None,
-             write: Callable[..., Path] = save_checkpoint) -> Path:
+             write: Callable[..., Path] = save_checkpoint, trainable_only: bool = False) -> Path:
     """Write a checkpoint (all ranks call it; rank 0 writes the file) and return its path. `write` is
-    `save_checkpoint`, or an `AsyncCheckpointer.save` (with save.async, only the copy to host memory happens here)."""
+    `save_checkpoint`, or an `AsyncCheckpointer.save` (with save.async, only the copy to host memory happens here).
+    `trainable_only`: the engine's shards without the frozen parameters (a LoRA run; `state_dict` says it too)."""
     directory = Path(directory)
     rank0 = _rank() == 0
     path, staged = directory / f"step_{step:08d}", None
     if engine.writes_shards:  # every rank writes its shard into rank 0's staging folder first
         staged = staging_dir(directory, step, world_size())
-        engine.save_shards(staged)
+        engine.save_shards(staged, trainable_only=trainable_only)
         barrier()
     state = state_dict()  # on every rank: an engine may gather the full state with a collective
     if rank0:
