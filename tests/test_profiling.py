@@ -144,6 +144,64 @@ def test_hugging_face_llava_parts_are_found() -> None:
     assert set(roles) == {"vision", "projector", "language_model"}
 
 
+class _RenamedVLM(nn.Module):
+    """TinyVLM's parts under names no list knows: eyes (tower), bridge (projector), brain (language model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from vlmfast.models.tiny_vlm import LanguageModel, MultiModalProjector, VisionTower
+
+        self.config = config = TinyVLMConfig(vision_layers=1, text_layers=1)
+        self.eyes, self.brain = VisionTower(config), LanguageModel(config)
+        self.bridge = MultiModalProjector(config.vision_dim, config.text_dim)
+
+    def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.bridge(self.eyes(pixel_values))
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.brain.embed_tokens
+
+    def forward(self, pixel_values, input_ids, labels=None, **_):  # type: ignore[no-untyped-def]
+        from vlmfast.models.tiny_vlm import VLMOutput, causal_lm_loss
+
+        image = self.bridge(self.eyes(pixel_values))  # not through get_image_features: the other class may lack it
+        logits = self.brain(torch.cat([image, self.brain.embed_tokens(input_ids)], 1), logits_from=image.shape[1])
+        return VLMOutput(loss=None if labels is None else causal_lm_loss(logits, labels), logits=logits)
+
+
+class _RenamedVLMWithoutImageCall(_RenamedVLM):
+    get_image_features = get_input_embeddings = None  # a custom model: only a probe forward shows its parts
+
+
+def test_renamed_vlm_parts_are_learned_and_timed() -> None:
+    _, dataset, collate = build_tiny_vlm_task(seed=0, num_samples=4)
+    batch = collate([dataset[i] for i in range(2)])
+    model = _RenamedVLM()
+    parts = find_submodules(model)  # the stand-in image call: nothing computed, no batch needed
+    assert parts == {"vision": (model.eyes,), "projector": (model.bridge,), "language_model": (model.brain,)}
+    timer = PhaseTimer(CPU, every_steps=1, warmup_steps=0)
+    assert sorted(timer.attach(model)) == ["language_model", "projector", "vision"]
+    timer.begin_step(1)
+    with timer.phase("forward"):
+        model(**batch)
+    metrics = timer.end_step()
+    assert all(metrics[f"perf/{role}_forward_time"] > 0 for role in ("vision", "projector", "language_model"))
+    plain = _RenamedVLMWithoutImageCall()
+    assert find_submodules(plain) == {}  # nothing to call and no sample: no split rather than a guess
+    # a probe forward: the tower is where the images flow, the language model where the ids reach an embedding
+    assert find_submodules(plain, batches=iter([batch])) == {"vision": (plain.eyes,), "language_model": (plain.brain,)}
+
+
+def test_trainer_learns_the_parts_with_probe_batches() -> None:
+    _, dataset, collate = build_tiny_vlm_task(seed=0, num_samples=4)
+    spec = {"max_steps": 1, "batch_size": 2, "log": {"progress": "off"}, "memory": {"leak_check": False},
+            "profile": {"every_steps": 1, "warmup_steps": 0, "mfu": False}}
+    trainer = OptimizedTrainer(_RenamedVLMWithoutImageCall(), dataset, spec, collate_fn=collate)
+    assert set(trainer.timer.timer.parts) == {"vision", "language_model"}  # learned on the plain model, pre-engine
+    timed = [row for row in trainer.fit().history if "perf/step_time" in row]
+    assert timed and all(row["perf/vision_forward_time"] > 0 for row in timed)
+
+
 def test_comm_hook_time_is_measured_through_ddp(tmp_path) -> None:
     import torch.distributed as dist
 

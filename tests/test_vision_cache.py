@@ -368,9 +368,15 @@ def test_qwen2_vl_variable_patch_counts(tmp_path):
     mixed["pixel_values"][16:24] = torch.rand(8, pixels.shape[1])  # the second image changes
     cache = _check_hf(tmp_path, model, first, mixed, "get_image_features")
     assert (cache.stats.hits, cache.stats.misses) == (5, 4)
-    model.model.visual.merger.requires_grad_(True)
-    with pytest.raises(ValueError, match="merger"):
+    model.model.visual.merger.requires_grad_(True)  # the merger sits inside the tower: the tower trains
+    with pytest.raises(ValueError, match=r"'model\.visual' trains .*merger"):
         cache_vision_features(model, tmp_path, scope="tower")
+    model.model.visual.merger.requires_grad_(False)  # learned: nothing beside the tower, so scope tower is the call
+    tower = cache_vision_features(model, tmp_path / "tower", scope="tower")
+    assert tower.unit.name == "get_image_features"
+    model(**first), model(**first)
+    assert tower.stats.hits == 3 and not tower.disabled  # the patches-with-grid layout learned end to end
+    tower.remove()
 
 
 # ---- with the rest of the trainer: DDP, resume, packing, checkpointing, compile ---------------------------------

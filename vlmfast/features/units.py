@@ -363,7 +363,10 @@ def resolve_unit(model: nn.Module, scope: str = "auto", module: str | None = Non
     projector_frozen = bool(projectors) and not trains
     config = _config_json(owner)
     model_type = getattr(getattr(owner, "config", None), "model_type", None)
-    whole = scope == "tower_and_projector" or (scope == "auto" and (projector_frozen or not projectors))
+    # Nothing besides the tower in the image call (learned: no projector next to it; Qwen2-VL's merger is inside its
+    # tower): the tower's features are the call's, so scope tower caches the call, whose layout is learned end to end
+    # (the tower's own forward may take flattened patches with a grid, not one image per row)
+    whole = scope == "tower_and_projector" or not projectors or (scope == "auto" and projector_frozen)
     if scope == "tower_and_projector" and not projector_frozen:
         reason = "has no projector next to the tower" if not projectors else f"'{trains[0]}' trains"
         raise ValueError(f"vision_cache.scope is tower_and_projector but the model {reason}: use scope: tower")
@@ -374,9 +377,6 @@ def resolve_unit(model: nn.Module, scope: str = "auto", module: str | None = Non
                         modules, config)
         return Unit(owner, "get_image_features", RowsAdapter(_first_argument(owner.get_image_features)), modules,
                     config)
-    if model_type in ("qwen2_vl", "qwen2_5_vl"):
-        raise ValueError(f"vision_cache: Qwen2-VL's merger (the projector) sits inside '{tower_path}' and trains: "
-                         "freeze it too (the whole visual tower is then cached), or set vision_cache.enabled: false")
     if _is_hf(tower):  # one image per row, checked end to end on the first forward with two images
         layers = getattr(getattr(tower, "config", None), "num_hidden_layers", 0) + 1
         adapter = LearnedAdapter(candidates=[HFTowerAdapter(_first_argument(tower.forward), layers)])

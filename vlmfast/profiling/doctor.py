@@ -531,7 +531,7 @@ def collect_evidence(trainer: Any, result: Any) -> Evidence:
         device_memory_gb=torch.cuda.get_device_properties(device).total_memory / GB if cuda else None,
         padding_fraction=peek_padding(trainer.loader), top_ops=list(getattr(trace, "top_ops", [])),
         bf16_supported=torch.cuda.is_bf16_supported() if cuda else True,
-        vision_frozen=_vision_frozen(trainer.engine.module),
+        vision_frozen=_vision_frozen(trainer.engine.module, getattr(getattr(profiler, "timer", None), "parts", None)),
         vocab_size=int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
         tokens_per_micro_batch=tokens, length_spread=spread, packing_refused=packing_refusal(trainer),
         trainable_params=sum(p.numel() for p in params if p.requires_grad), total_params=sum(p.numel() for p in params),
@@ -618,14 +618,20 @@ def peek_lengths(loader: Any, micro_batch_size: int, batches: int = 4) -> tuple[
     return micro_batch_size * statistics.mean(widths), max(lengths) / max(statistics.median(lengths), 1)
 
 
-def _vision_frozen(model: Any) -> bool | None:
-    """Whether the model's vision tower (found by its usual names) has no trainable parameter."""
-    from vlmfast.profiling.phase_timer import find_submodules
+def _vision_frozen(model: Any, parts: Mapping[str, Any] | None = None) -> bool | None:
+    """Whether the model's vision tower has no trainable parameter; None without one. The tower as the run's profiler
+    learned it (`parts`, :func:`~vlmfast.profiling.phase_timer.find_submodules`), else by the stand-in
+    ``get_image_features`` call (:func:`~vlmfast.common.image_path.find_image_modules`: nothing computed, so it is
+    safe on a sharded model)."""
+    from vlmfast.common.image_path import find_image_modules
 
-    tower = find_submodules(model).get("vision")
-    if tower is None:
-        return None
-    return not any(p.requires_grad for p in tower.parameters())
+    towers = (parts or {}).get("vision")
+    if not towers:
+        try:
+            towers = (model.get_submodule(find_image_modules(model).tower),)
+        except ValueError:
+            return None
+    return not any(p.requires_grad for tower in towers for p in tower.parameters())
 
 
 def peek_padding(loader: Any, batches: int = 4) -> float | None:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from vlmfast.profiling.phase_timer import find_submodules
+from vlmfast.profiling.phase_timer import Parts, find_submodules
 
 __all__ = [
     "PEAK_TFLOPS",
@@ -152,7 +152,8 @@ def real_token_fraction(batch: Any, lm_tokens: int | None) -> float:
 class FlopsMeter:
     """Model FLOPs per micro-batch, measured once per shape bucket (or by formula); see the module docstring."""
 
-    def __init__(self, model: nn.Module, method: str = "measured", per_shape: bool = False) -> None:
+    def __init__(self, model: nn.Module, method: str = "measured", per_shape: bool = False,
+                 parts: Parts | None = None) -> None:
         if method not in ("auto", "measured", "analytic"):
             raise ValueError(f"profile.flops must be 'auto', 'measured' or 'analytic', got {method!r}")
         self.model = model
@@ -163,7 +164,7 @@ class FlopsMeter:
         self.buckets: dict[tuple, MeasuredFlops] = {}
         self._sizes: dict[tuple, int] = {}  # elements of the batch each bucket was counted on
         self._pending_size = 0
-        self._roles = find_submodules(model)
+        self._roles = find_submodules(model) if parts is None else parts  # learned (phase_timer.find_submodules)
         if method == "measured":
             _count_flash_attn_ops()
         self._towers: dict[int, tuple[int, bool]] = {}  # analytic: (matmul params, trainable) per tower, once
@@ -187,7 +188,7 @@ class FlopsMeter:
         """Model FLOPs of one forward + backward of `micro_batch` (pass the host batch: the mask is read)."""
         self._resolve(micro_batch)
         if self.method == "analytic":
-            towers = describe_towers(self.model, micro_batch, tower_params=self._tower_params)
+            towers = describe_towers(self.model, micro_batch, tower_params=self._tower_params, parts=self._roles)
             return sum(transformer_flops(tower) for tower in towers)
         measured = self.buckets.get(shape_key(micro_batch))
         scale = 1.0
@@ -207,7 +208,7 @@ class FlopsMeter:
         if self.method != "auto":
             return
         try:
-            describe_towers(self.model, micro_batch, tower_params=self._tower_params)
+            describe_towers(self.model, micro_batch, tower_params=self._tower_params, parts=self._roles)
             self.method = "analytic"
         except (ValueError, AttributeError, TypeError):
             self.method = "measured"
@@ -222,7 +223,7 @@ class FlopsMeter:
         lm_tokens: list[int] = []
         handle = None
         if "language_model" in self._roles:
-            handle = self._roles["language_model"].register_forward_pre_hook(
+            handle = self._roles["language_model"][0].register_forward_pre_hook(
                 lambda module, args, kwargs: lm_tokens.append(_leading_tokens(args, kwargs)), with_kwargs=True)
         mode = FlopCounterMode(display=False)
         try:
@@ -240,9 +241,9 @@ class FlopsMeter:
         names = {id(module): name for name, module in self.model.named_modules()}
         root = type(self.model).__name__
         by_role = {}
-        for role, module in self._roles.items():
-            path = f"{root}.{names[id(module)]}"
-            by_role[role] = float(sum(counts.get(path, {}).values()))
+        for role, modules in self._roles.items():
+            paths = [f"{root}.{names[id(module)]}" for module in modules]
+            by_role[role] = float(sum(sum(counts.get(path, {}).values()) for path in paths))
         return by_role
 
 
@@ -292,16 +293,18 @@ def analytic_flops(model: nn.Module, micro_batch: Mapping[str, Any]) -> float:
 
 
 def describe_towers(model: nn.Module, batch: Mapping[str, Any],
-                    tower_params: Callable[[nn.Module], tuple[int, bool]] | None = None) -> list[TowerShape]:
+                    tower_params: Callable[[nn.Module], tuple[int, bool]] | None = None,
+                    parts: Parts | None = None) -> list[TowerShape]:
     """The vision tower, projector and language model as TowerShapes, from the model config and the batch.
 
-    `tower_params(module) -> (matmul parameters, trainable)` may cache what is otherwise counted on every call."""
+    `tower_params(module) -> (matmul parameters, trainable)` may cache what is otherwise counted on every call;
+    `parts`: the model's parts as :func:`~vlmfast.profiling.phase_timer.find_submodules` learned them (else here)."""
     tower_params = tower_params or _tower_params
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"profile.flops: analytic needs a model with a .config ({type(model).__name__} has none); "
                          "use profile.flops: measured")
-    roles = find_submodules(model)
+    roles = find_submodules(model) if parts is None else parts
     text, vision = _text_config(config), _vision_config(config)
     input_ids = batch.get("input_ids")
     if text is None or not isinstance(input_ids, torch.Tensor):
@@ -316,14 +319,22 @@ def describe_towers(model: nn.Module, batch: Mapping[str, Any],
         layers, heads, dim, patches = vision
         images = batch["pixel_values"].shape[0]
         image_tokens = patches * images if getattr(config, "num_image_tokens", None) else 0  # LLaVA-HF: in input_ids
-        towers.append(_tower(tower_params(roles["vision"]), layers, heads, dim // heads, patches, patches * images))
+        towers.append(_tower(_params_of(roles["vision"], tower_params), layers, heads, dim // heads, patches,
+                             patches * images))
         if "projector" in roles:
-            towers.append(_tower(tower_params(roles["projector"]), 0, 0, 0, 0, patches * images))
+            towers.append(_tower(_params_of(roles["projector"], tower_params), 0, 0, 0, 0, patches * images))
     layers, heads, dim, _ = text
-    lm = roles.get("language_model", model)
+    lm = roles.get("language_model", (model,))
     seq = text_len + image_tokens // max(samples, 1)
-    towers.append(_tower(tower_params(lm), layers, heads, dim // heads, seq, real_text + image_tokens))
+    towers.append(_tower(_params_of(lm, tower_params), layers, heads, dim // heads, seq, real_text + image_tokens))
     return towers
+
+
+def _params_of(modules: tuple[nn.Module, ...],
+               tower_params: Callable[[nn.Module], tuple[int, bool]]) -> tuple[int, bool]:
+    """(matmul parameters, trainable) of a part made of one or more modules."""
+    counted = [tower_params(module) for module in modules]
+    return sum(n for n, _ in counted), any(trains for _, trains in counted)
 
 
 def _tower_params(module: nn.Module) -> tuple[int, bool]:

@@ -38,22 +38,18 @@ import contextlib
 import time
 import warnings
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PHASES", "SUBMODULE_NAMES", "PhaseTimer", "find_submodules", "percentile", "timed_comm_hook"]
+__all__ = ["PHASES", "Parts", "PhaseTimer", "find_submodules", "percentile", "timed_comm_hook"]
 
 # Top-level phases, in step order. They tile the step (no nesting), so with "other" they sum to the step time.
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "comm")
-# Sub-model name (reported as perf/<name>_forward_time) -> attribute names that VLM implementations use for it.
-SUBMODULE_NAMES = {
-    "vision": ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder"),
-    "projector": ("multi_modal_projector", "mm_projector", "projector", "connector", "vision_proj"),
-    "language_model": ("language_model", "text_model", "llm"),
-}
+# A VLM's parts: role (reported as perf/<role>_forward_time) -> its modules ("vision", "projector", "language_model").
+Parts = dict[str, tuple[nn.Module, ...]]
 _NO_OP = contextlib.nullcontext()
 _SYNC_WARNING = "synchroniz"  # torch's sync debug mode warns "called a synchronizing CUDA operation"
 
@@ -73,15 +69,90 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def find_submodules(model: nn.Module) -> dict[str, nn.Module]:
-    """The vision tower, projector and language model of a VLM by their usual attribute names (shallowest match)."""
-    found: dict[str, nn.Module] = {}
-    for path, module in model.named_modules():  # breadth of names: HF nests them under .model
-        leaf = path.rsplit(".", 1)[-1]
-        for role, names in SUBMODULE_NAMES.items():
-            if role not in found and leaf in names:
-                found[role] = module
-    return found
+def find_submodules(model: nn.Module, batches: Iterable[Any] | None = None) -> Parts:
+    """The vision tower, projector and language model of a VLM, learned from the model, never from attribute names.
+
+    The tower and the projector as :func:`~vlmfast.common.image_path.find_image_modules` finds them (the stand-in
+    ``get_image_features`` call: nothing computed, works sharded or on the meta device; else a probe forward of
+    `batches`, mappings on the model's device, read only then). The language model: the outermost module besides the
+    tower that holds the text embedding (``get_input_embeddings()``, else ``get_output_embeddings()``, else the first
+    embedding the ids of `batches` reach), and more than that embedding; the projector only where the language model
+    is known (else it cannot be told apart from it). {} for a model without a vision tower (a text model: its forward
+    is all language model). Pass the plain model (before DDP / torch.compile wrap it).
+    Usage: ``find_submodules(llava)`` -> ``{"vision": (tower,), "projector": (projector,), "language_model": (lm,)}``
+    """
+    from vlmfast.common.image_path import find_image_modules
+
+    batches = _Replayable(batches)  # two probes may read it: each sample is collated once
+    try:
+        found = find_image_modules(model, batches)
+    except ValueError:
+        return {}
+    parts: Parts = {"vision": (model.get_submodule(found.tower),)}
+    language = _language_model(model, found.tower, batches)
+    if language is None:  # the projector is what the image call runs besides the tower and the text model: unknown
+        return parts
+    parts["language_model"] = (model.get_submodule(language),)
+    projectors = [path for path in found.projectors if not _nested(path, language)]
+    if projectors:
+        parts["projector"] = tuple(model.get_submodule(path) for path in projectors)
+    return parts
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether module paths `a` and `b` are the same module or one holds the other ("" is the root)."""
+    return a == b or not a or not b or a.startswith(f"{b}.") or b.startswith(f"{a}.")
+
+
+def _language_model(model: nn.Module, tower: str, batches: Iterable[Any]) -> str | None:
+    """The outermost module holding the text embedding, not holding the tower nor inside it; None when unknown."""
+    names = {id(module): name for name, module in model.named_modules()}
+    for embedding in _text_embeddings(model, batches):
+        parts = names.get(id(embedding), "").split(".")
+        for depth in range(1, len(parts)):  # the embedding itself (depth len(parts)) does not tell the model apart
+            path = ".".join(parts[:depth])
+            if not _nested(path, tower):
+                return path
+    return None
+
+
+def _text_embeddings(model: nn.Module, batches: Iterable[Any]) -> Iterator[nn.Module]:
+    """Where the text goes in or comes out: the input embedding, the output head, then (only when neither placed the
+    language model) the first embedding a probe batch's ids reach."""
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+        if isinstance(module, nn.Module):
+            yield module
+    from vlmfast.data.sample_checks import embedding_module_reached_by_ids
+
+    for batch in batches:
+        if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+            reached = embedding_module_reached_by_ids(model, batch)
+            if reached is not None:
+                yield reached
+            return
+
+
+class _Replayable:
+    """An iterable read lazily and kept: a second pass sees the same items without reading the source again."""
+
+    def __init__(self, source: Iterable[Any] | None) -> None:
+        self._source = iter(source) if source is not None else iter(())
+        self._seen: list[Any] = []
+
+    def __iter__(self) -> Iterator[Any]:
+        index = 0
+        while True:
+            if index == len(self._seen):
+                try:
+                    self._seen.append(next(self._source))
+                except StopIteration:
+                    return
+            yield self._seen[index]
+            index += 1
 
 
 class PhaseTimer:
@@ -112,15 +183,19 @@ class PhaseTimer:
         self.step_times: deque[float] = deque(maxlen=keep_steps)  # wall-clock time of non-warm-up steps
         self.samples: deque[dict[str, float]] = deque(maxlen=max(1, keep_steps // every_steps))  # sampled steps
         self._hooks: list[Any] = []
+        self.parts: Parts = {}  # what attach() timed
 
     # ---- the loop's calls -----------------------------------------------------------------------------------
-    def attach(self, model: nn.Module) -> list[str]:
-        """Time the forward of the vision tower / projector / language model when the model has them (returns which)."""
-        found = find_submodules(model)
-        for role, module in found.items():
-            self._hooks.append(module.register_forward_pre_hook(self._submodule_start(role)))
-            self._hooks.append(module.register_forward_hook(self._submodule_end(role), always_call=True))
-        return list(found)
+    def attach(self, model: nn.Module, batches: Iterable[Any] | None = None, parts: Parts | None = None) -> list[str]:
+        """Time the forward of the vision tower / projector / language model when the model has them (returns which):
+        `parts` as :func:`find_submodules` returns them, else learned here (`batches`: for a probe forward where the
+        model's ``get_image_features`` cannot show its tower; never after FSDP2 / ZeRO-3 shard the model)."""
+        self.parts = find_submodules(model, batches) if parts is None else parts
+        for role, modules in self.parts.items():
+            for module in modules:  # a projector of several modules: their times add up
+                self._hooks.append(module.register_forward_pre_hook(self._submodule_start(role)))
+                self._hooks.append(module.register_forward_hook(self._submodule_end(role), always_call=True))
+        return list(self.parts)
 
     def detach(self) -> None:
         """Remove the sub-model hooks."""

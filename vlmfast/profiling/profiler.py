@@ -35,7 +35,7 @@ from torch import nn
 
 from vlmfast.common.safe_files import UnsafeOutputError, write_atomic
 from vlmfast.profiling.flops import FlopsMeter, peak_tflops
-from vlmfast.profiling.phase_timer import PhaseTimer
+from vlmfast.profiling.phase_timer import Parts, PhaseTimer
 from vlmfast.profiling.torch_profiler import StepProfiler
 from vlmfast.spec import ProfileSpec
 
@@ -51,7 +51,7 @@ class RunProfiler:
 
     def __init__(self, spec: ProfileSpec, model: nn.Module, device: torch.device | str, precision: str = "fp32",
                  tf32: bool = False, log_dir: str | Path | None = None, is_main_process: bool = True,
-                 keep_steps: int = 10_000) -> None:
+                 keep_steps: int = 10_000, parts: Parts | None = None) -> None:
         self.spec = spec
         self.device = torch.device(device)
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -59,8 +59,10 @@ class RunProfiler:
         self.peak_tflops = peak_tflops(self.device, precision, tf32, override=spec.peak_tflops) if spec.mfu else None
         self.timer = PhaseTimer(self.device, spec.every_steps, spec.warmup_steps, self.peak_tflops, nvtx=spec.nvtx,
                                 keep_steps=keep_steps)
-        self.timer.attach(model)
-        self.flops = FlopsMeter(model, spec.flops) if spec.mfu else None
+        # The vision / projector / language model split: `parts` learned by the caller (the trainer, on the plain model
+        # before the engine shards it), else here by the stand-in get_image_features call (nothing computed)
+        self.timer.attach(model, parts=parts)
+        self.flops = FlopsMeter(model, spec.flops, parts=self.timer.parts) if spec.mfu else None
         self.trace = StepProfiler(spec.trace, self.device, log_dir)
         self.enabled = spec.timing
         self._traced = False

@@ -44,6 +44,7 @@ from vlmfast.memory.advice import explain_oom, memory_summary, oom_advice
 from vlmfast.memory.monitor import MemoryMonitor
 from vlmfast.memory.stats import memory_stats, peak_memory_gb, reset_peak_memory
 from vlmfast.profiling import RunProfiler
+from vlmfast.profiling.phase_timer import Parts, find_submodules
 from vlmfast.reporting.report import MetricsLogger, RunReport
 from vlmfast.spec import SpecError, TrainSpec, check_environment
 from vlmfast.strategies.accumulation import AccumulationPlan, GradientAccumulation, LossFn
@@ -109,6 +110,7 @@ class OptimizedTrainer:
         for strategy in self.strategies:
             model = strategy.apply(model)
         sample_check = self._sample_check(model)  # before the engine wraps or shards it: a plain, local probe
+        parts = self._model_parts(model)  # likewise: a probe forward after FSDP2 / ZeRO-3 shard it would all-gather
         self.model = self.engine.setup(model, self.optimization.build)  # last: strategies change the plain model
         self._contexts = [s for s in self.strategies if overrides(s, "forward_context")]
         measure = self.world_size > 1 and (spec.log.straggler or spec.data.rank_balance != "off")
@@ -116,7 +118,7 @@ class OptimizedTrainer:
         self.state.micro_batch_size = self.micro_batching.micro_batch_size
         self.timer = RunProfiler(spec.profile, self.model, self.device, precision=spec.precision, tf32=spec.tf32,
                                  log_dir=spec.log.dir, is_main_process=self.is_main_process,
-                                 keep_steps=spec.log.history_steps)
+                                 keep_steps=spec.log.history_steps, parts=parts)
         if spec.packing.enabled:
             if not isinstance(self.accumulation.shift_labels, bool):  # "auto": measured now (a document's first
                 probe = self._first_sample_batch()  # label is dropped only for a model that shifts labels)
@@ -178,6 +180,23 @@ class OptimizedTrainer:
         return SampleCheck.for_model(getattr(model, "_orig_mod", model),  # compiled: probe the eager module
                                      self.spec.loss.label_key, self.spec.loss.ignore_index,
                                      probe_batch=self._first_sample_batch if spare else None)
+
+    def _model_parts(self, model: nn.Module) -> Parts:
+        """The vision tower / projector / language model for the profile's time split and FLOPs by tower, learned on
+        the plain model (find_submodules: the stand-in get_image_features call, else a probe forward of the first
+        samples, never taken from a stream); {} when the profile measures nothing."""
+        if not (self.spec.profile.timing or self.spec.profile.mfu):
+            return {}
+        data = self.train_data
+
+        def probe_batches() -> Iterator[Any]:  # read only when the stand-in call cannot decide
+            if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+                try:
+                    yield from self._probe_batches(count=4)
+                except Exception:  # a bad sample is the loader's to skip and count, not the probe's to fail on
+                    return
+
+        return find_submodules(getattr(model, "_orig_mod", model), batches=probe_batches())  # compiled: eager parts
 
     def _first_sample_batch(self) -> Any:
         """The first sample collated alone, on the device; None when it cannot be read or collated (a bad sample is
