@@ -477,3 +477,16 @@ def test_two_ranks_under_ddp_fsdp2_and_zero2_train_the_adapters_as_one_process_w
             assert all(torch.equal(params[n], p) for n, p in runs[engine].items()), engine  # bit-exact
             assert params["frozen"] == frozen, engine
             assert "frozen base weights differ from the checkpoint's (fingerprint" in check["changed_base"], engine
+
+
+def test_the_free_space_check_expects_a_lora_checkpoint_of_the_trainable_state_only():
+    """save.dir's free-space check estimates the checkpoint a run will write: for a LoRA run, the trainable
+    parameters and their optimizer states, not the frozen base (which was 35x the checkpoint at 36M parameters)."""
+    from vlmfast.checkpoints.save_dir import estimate_checkpoint_bytes
+
+    base, adapter = torch.nn.Linear(256, 256), torch.nn.Linear(256, 4, bias=False)
+    base.requires_grad_(False)
+    model = torch.nn.Sequential(base, adapter)
+    adapter_bytes = adapter.weight.numel() * 4
+    assert estimate_checkpoint_bytes(model, "adamw", trainable_only=True) == adapter_bytes * 3  # weights + 2 states
+    assert estimate_checkpoint_bytes(model, "adamw") == adapter_bytes * 3 + (256 * 256 + 256) * 4

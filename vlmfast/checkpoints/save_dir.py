@@ -297,12 +297,17 @@ def _check_entries(directory: Path) -> None:
 
 
 def estimate_checkpoint_bytes(model: torch.nn.Module, optimizer_name: str = "adamw", momentum: float = 0.0,
-                              master_weights: bool = False) -> int:
+                              master_weights: bool = False, trainable_only: bool = False) -> int:
     """A lower estimate of one checkpoint's size: the model's state plus the optimizer's per-parameter states.
 
     `master_weights`: an fp32 copy of every trainable parameter is saved too (DeepSpeed bf16/fp16).
+    `trainable_only`: the model's state is its trainable parameters alone (a LoRA run; the frozen base is
+    fingerprinted, not saved).
     """
-    model_bytes = sum(_storage_bytes(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    if trainable_only:
+        model_bytes = sum(_storage_bytes(p) for p in model.parameters() if p.requires_grad)
+    else:
+        model_bytes = sum(_storage_bytes(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     states = {"adamw": 2, "sgd": 1 if momentum else 0}.get(optimizer_name, 0)
     return model_bytes + trainable * 4 * (states + int(master_weights))

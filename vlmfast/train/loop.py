@@ -244,7 +244,8 @@ class OptimizedTrainer:
         spec = self.spec
         return prepare_save_dir(spec.save.dir, lambda: run_checkpoint_bytes(
             spec.save.dir, self.engine.module, spec.optimizer.name, spec.optimizer.momentum,
-            master_weights=self.engine.writes_shards and spec.precision != "fp32"))
+            master_weights=self.engine.writes_shards and spec.precision != "fp32",
+            trainable_only=self._trainable_only()))
 
     def _fit(self) -> FitResult:
         resumed_from = resume_run(self.engine, self.load_state_dict, self.spec.save.resume, self.spec.save.dir,

@@ -80,9 +80,10 @@ def _rank() -> int:
 
 
 def run_checkpoint_bytes(directory: str | Path, model: Any, optimizer_name: str, momentum: float,
-                         master_weights: bool) -> int:
+                         master_weights: bool, trainable_only: bool = False) -> int:
     """The size of the newest checkpoint in `directory`, else an estimate from the model and the optimizer."""
     latest = latest_checkpoint(directory)
     if latest is not None:
         return sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
-    return estimate_checkpoint_bytes(model, optimizer_name, momentum, master_weights=master_weights)
+    return estimate_checkpoint_bytes(model, optimizer_name, momentum, master_weights=master_weights,
+                                     trainable_only=trainable_only)
