@@ -74,9 +74,10 @@ class BenchSize:
 SIZES: dict[str, BenchSize] = {
     "cpu": BenchSize(model="tiny", batch_size=16, lr=1e-3),
     # A model big enough to be compute-bound on a CPU (the tiny one's step is Python-bound), on data where padding
-    # is most of a padded batch: 4 samples per step (a padded batch of 4 is ~50 % padding), 2 + 8 steps, ~2-3 s each
-    # on 2 idle cores. lr 3e-4: 1e-3 made the first steps' loss jump at this size.
-    "cpu-vlm": BenchSize(model="vlm20m", batch_size=4, lr=3e-4, eval_samples=32, data="multi-image", steps=8,
+    # is most of a padded batch: 4 samples per step (a padded batch of 4 is ~50 % padding), 2 + 20 steps, ~0.3-4 s
+    # each on 2 idle cores (a batch holding a 1,000-token sample is 10x its neighbours: 8 timed steps left the
+    # ratios at the mercy of where those fell). lr 3e-4: 1e-3 made the first steps' loss jump at this size.
+    "cpu-vlm": BenchSize(model="vlm20m", batch_size=4, lr=3e-4, eval_samples=32, data="multi-image", steps=20,
                          warmup=2, pack_tokens=1024 + 4 * 9),
     "gpu": BenchSize(model="base", batch_size=32, lr=3e-4),
 }
