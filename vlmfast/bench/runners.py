@@ -52,7 +52,7 @@ class Settings:
     precision: str = "fp32"
     attention: str = "eager"  # the model's attention backend at start (vlmfast may switch it through its spec)
     compile: bool = False
-    compile_backend: str = "inductor"  # `bench --quick`: aot_eager, which builds no C++ kernels
+    compile_backend: str = "inductor"  # `bench --quick`: eager (dynamo captures the graph, nothing is compiled)
     num_workers: int = 0
     tf32: bool = False
     group_by_length: bool = False
