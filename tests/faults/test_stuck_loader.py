@@ -93,3 +93,24 @@ def test_a_closed_loader_loads_on_in_a_new_bounded_thread():
     with pytest.raises(DataLoaderTimeoutError):  # no more batches from a stuck loader: the same error at once
         next(loader)
     loader.close()
+
+
+def test_the_loader_thread_runs_torch_ops_on_one_core_and_leaves_every_other_threads_setting():
+    """A second thread with parallel regions gets an OpenMP team of its own, and libgomp then throttles the training
+    thread's team too (it sleeps and wakes between ops: -11 % on the cpu-vlm benchmark). The loads run on one core;
+    the caller and threads started later keep the process's setting."""
+    import torch
+
+    from vlmfast.data.timeout import LoaderThread, wait_for
+
+    before = torch.get_num_threads()
+    thread = LoaderThread("test-loader")
+    try:
+        assert wait_for(thread.submit(torch.get_num_threads), 5, lambda: "a thread count") == 1
+        later: list[int] = []
+        other = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        other.start()
+        other.join()
+        assert torch.get_num_threads() == before and later == [before]
+    finally:
+        thread.shutdown()

@@ -33,6 +33,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import torch
+
 __all__ = ["DataLoaderTimeoutError", "LoaderThread", "timeout_message", "wait_for"]
 
 
@@ -63,8 +65,11 @@ class LoaderThread:
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         if self._thread is None:  # the thread holds the queue, not this object: dropping it ends the thread
-            self._thread = threading.Thread(target=_run, args=(self._queue,), name=self.name, daemon=True)
+            threads, ready = torch.get_num_threads(), threading.Event()
+            self._thread = threading.Thread(target=_run, args=(self._queue, ready), name=self.name, daemon=True)
             self._thread.start()
+            ready.wait()
+            torch.set_num_threads(threads)  # the process-wide default new threads start with: the caller's again
             weakref.finalize(self, self._queue.put, None)
         future: Future = Future()
         self._queue.put((fn, future))
@@ -81,7 +86,16 @@ class LoaderThread:
         self._thread, self._queue = None, queue.SimpleQueue()  # a later submit starts a thread of its own
 
 
-def _run(work: queue.SimpleQueue) -> None:
+def _run(work: queue.SimpleQueue, ready: threading.Event) -> None:
+    # Torch ops of this thread on one core. A second thread running parallel regions gets an OpenMP team of its own;
+    # libgomp then manages more threads than there are cores and throttles every team's spin-wait, the training
+    # thread's too, which then sleeps and wakes between its ops (-11 % on the cpu-vlm benchmark's steps).
+    # omp_set_num_threads (torch.set_num_threads) sets the calling thread's value; the caller restores the
+    # process-wide default once this ran (submit). get_num_threads first: torch initialises a thread's setting from
+    # that default on its first query (at::internal::lazy_init_num_threads), which would undo a set before it.
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+    ready.set()
     while (item := work.get()) is not None:
         fn, future = item
         if not future.set_running_or_notify_cancel():
