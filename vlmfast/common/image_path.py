@@ -165,17 +165,21 @@ def _held_besides(model: nn.Module, tower: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _text_embeddings(model: nn.Module) -> set[int]:
-    """The ids of the model's input and output embedding modules (where token ids go in and logits come out)."""
-    out = set()
+def text_embedding_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's input and output embedding modules (where token ids go in and logits come out), those it has."""
+    out = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         try:
             module = getattr(model, getter)()
         except (AttributeError, NotImplementedError, TypeError):
             continue
         if isinstance(module, nn.Module):
-            out.add(id(module))
+            out.append(module)
     return out
+
+
+def _text_embeddings(model: nn.Module) -> set[int]:
+    return {id(module) for module in text_embedding_modules(model)}
 
 
 # ---- the probe forward ------------------------------------------------------------------------------------------

@@ -119,13 +119,9 @@ def _language_model(model: nn.Module, tower: str, batches: Iterable[Any]) -> str
 def _text_embeddings(model: nn.Module, batches: Iterable[Any]) -> Iterator[nn.Module]:
     """Where the text goes in or comes out: the input embedding, the output head, then (only when neither placed the
     language model) the first embedding a probe batch's ids reach."""
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        try:
-            module = getattr(model, getter)()
-        except (AttributeError, NotImplementedError, TypeError):
-            continue
-        if isinstance(module, nn.Module):
-            yield module
+    from vlmfast.common.image_path import text_embedding_modules
+
+    yield from text_embedding_modules(model)
     from vlmfast.data.sample_checks import embedding_module_reached_by_ids
 
     for batch in batches:
