@@ -98,6 +98,31 @@ def test_every_contender_sees_the_same_data(quick):
     assert max(evals) - min(evals) < 1e-3 * evals[0]
 
 
+def test_the_json_keeps_every_step_time_and_the_table_states_p90_over_p50(quick):
+    _, _, paths = quick
+    written = json.loads(paths["json"].read_text())
+    for name, runs in written["runs"].items():
+        for run in runs:
+            times = run["step_times_s"]
+            assert len(times) == run["timed_steps"] == 2 and len(run["warmup_step_times_s"]) == 1, name
+            assert run["step_time_p50_s"] in times and run["step_time_p90_s"] == max(times), name
+            assert run["step_time_p90_over_p50"] == pytest.approx(run["step_time_p90_s"] / run["step_time_p50_s"])
+            assert run["slowest_step"] == 1 + times.index(max(times))  # counted from the first warm-up step
+        assert written["summary"][name]["step_time_p90_over_p50"] >= 1.0
+    table = paths["md"].read_text()
+    assert "step p50 / p90 (ms), p90/p50 |" in table and "step_times_s" in table
+    ratio = written["summary"]["start"]["step_time_p90_over_p50"]
+    assert f", {ratio:.2f} |" in next(line for line in table.splitlines() if line.startswith("| start |"))
+
+
+def test_a_gpu_table_below_30_steps_or_3_rounds_says_its_p90_is_a_few_steps():
+    result = _synthetic({"start": (100.0, START_LOSSES)})
+    result["environment"] = {**result["environment"], "device": "nvidia-h200"}
+    assert "Fewer than 30 timed steps" not in comparison_markdown(result)  # 40 steps, 3 rounds
+    result["workload"]["steps"] = 10
+    assert "Fewer than 30 timed steps or 3 rounds on a GPU" in comparison_markdown(result)
+
+
 def test_headroom_checkpointing_fits_more_and_the_oom_fallback_completes():
     torch.set_num_threads(1)
     workload = build_workload("cpu", steps=1, warmup=0, batch_size=8)

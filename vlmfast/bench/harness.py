@@ -70,10 +70,14 @@ def summarise_run(result: RunResult, warmup: int, device: torch.device) -> dict[
     tflops = flops / total / 1e12
     peak = peak_tflops(device, "bf16") if device.type == "cuda" else None
     tail = result.losses[-max(1, len(result.losses) // 5):]  # last 20% of steps: less noisy than the last one
+    p50, p90 = _quantile(ordered, 0.5), _quantile(ordered, 0.9)
     return {
         "timed_steps": len(times), "time_s": total, "samples": sum(result.samples[warmup:]),
         "samples_per_s": sum(result.samples[warmup:]) / total, "tokens_per_s": sum(result.tokens[warmup:]) / total,
-        "step_time_p50_s": _quantile(ordered, 0.5), "step_time_p90_s": _quantile(ordered, 0.9),
+        "step_time_p50_s": p50, "step_time_p90_s": p90, "step_time_p90_over_p50": p90 / p50 if p50 > 0 else None,
+        # every step kept (a list: the medians over rounds skip it): where a stall fell, not only how long the tail is
+        "step_times_s": list(times), "warmup_step_times_s": result.step_times[:warmup],
+        "slowest_step": warmup + max(range(len(times)), key=times.__getitem__) if times else None,
         "padding_fraction": 1 - sum(result.tokens) / max(1, sum(result.slots)),
         "tflops": tflops, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": result.peak_memory_gb, "final_train_loss": statistics.fmean(tail) if tail else None,

@@ -77,11 +77,29 @@ def _header(result: dict[str, Any]) -> str:
     return (f"Machine: {env['device']} ({env['cpu']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch "
             f"thread(s)); {versions}; {env['date']}.  \n"
             f"Command: `{env['command']}`.  \n"
-            f"Model: built-in tiny VLM, size `{work['size']}` ({work['parameters'] / 1e6:.2f}M parameters); "
+            f"Model: {work.get('model', 'built-in tiny VLM')}, size `{work['size']}` ({_parameters(work)}); "
             f"batch {work['batch_size']}, {work['steps']} timed steps after {work['warmup_steps']} warm-up, "
             f"{result.get('repeats', 1)} interleaved round(s), medians; samples of {work['sample_tokens']['min']}-"
             f"{work['sample_tokens']['max']} tokens (mean {work['sample_tokens']['mean']:.1f}, image tokens "
-            f"included){_images(work)}.")
+            f"included){_images(work)}.{_few_steps(result)}")
+
+
+def _parameters(work: dict[str, Any]) -> str:
+    count = work["parameters"]
+    return f"{count / 1e9:.2f}B parameters" if count >= 1e9 else f"{count / 1e6:.2f}M parameters"
+
+
+# Below these a GPU table's p90 is one of the few slowest steps of few runs: one stall decides it (issue 33).
+GPU_MINIMUM = {"steps": 30, "repeats": 3}
+
+
+def _few_steps(result: dict[str, Any]) -> str:
+    work = result["workload"]
+    if result["environment"].get("device") == "cpu" or result.get("quick") or (
+            work["steps"] >= GPU_MINIMUM["steps"] and result.get("repeats", 1) >= GPU_MINIMUM["repeats"]):
+        return ""
+    return (f"  \n**Fewer than {GPU_MINIMUM['steps']} timed steps or {GPU_MINIMUM['repeats']} rounds on a GPU**: "
+            f"the p90 is one of the slowest few steps, a single stall decides it.")
 
 
 def _images(work: dict[str, Any]) -> str:
@@ -100,9 +118,9 @@ def _memory(gb: float | None, kind: str) -> str:
 
 def comparison_markdown(result: dict[str, Any]) -> str:
     """The comparison as Markdown: header (machine, versions, command), one row per configuration, must-shows."""
-    rows = ["| configuration | what it switches on | samples/s | x start | real tokens/s | step p50 / p90 (ms) | "
-            "peak memory | TFLOP/s | MFU | padding | train loss | eval loss (min-max) | quality vs start | "
-            "quality-adjusted x start |",
+    rows = ["| configuration | what it switches on | samples/s | x start | real tokens/s | "
+            "step p50 / p90 (ms), p90/p50 | peak memory | TFLOP/s | MFU | padding | train loss | eval loss (min-max) | "
+            "quality vs start | quality-adjusted x start |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     summary, ratios = result["summary"], result["ratios"]
     quality = quality_table(result)  # computed, not read: an old JSON without it renders the same way
@@ -117,7 +135,7 @@ def comparison_markdown(result: dict[str, Any]) -> str:
         rows.append(
             f"| {name} | {config['description']} | {s['samples_per_s']:.1f} | "
             f"{ratios[name].get('vs_start', float('nan')):.2f} | {s['tokens_per_s']:.0f} | "
-            f"{s['step_time_p50_s'] * 1e3:.1f} / {s['step_time_p90_s'] * 1e3:.1f} | "
+            f"{s['step_time_p50_s'] * 1e3:.1f} / {s['step_time_p90_s'] * 1e3:.1f}, {_tail(s)} | "
             f"{_memory(s.get('peak_memory_gb'), s['memory_kind'])} | {s['tflops']:.3f} | {mfu} | "
             f"{s['padding_fraction']:.0%} | {s['final_train_loss']:.4f} | {_eval_loss(result, name)} | "
             f"{_quality(quality.get(name))} | {_adjusted(quality.get(name))} |")
@@ -128,6 +146,12 @@ def comparison_markdown(result: dict[str, Any]) -> str:
         note = f"; quality: {check['quality']}" if check.get("quality") else ""
         lines.append(f"- {check['what']}: `{check['rule']}` -> {value}{note} (**{mark}**)")
     return "\n".join(lines)
+
+
+def _tail(summary: dict[str, Any]) -> str:
+    """p90/p50 of the step times (median over rounds); an old JSON without it: from the medians of p90 and p50."""
+    ratio = summary.get("step_time_p90_over_p50") or summary["step_time_p90_s"] / summary["step_time_p50_s"]
+    return f"{ratio:.2f}"
 
 
 def _eval_loss(result: dict[str, Any], name: str) -> str:
@@ -181,6 +205,9 @@ def _notes(result: dict[str, Any]) -> str:
     return (f"x start: median over rounds of the paired samples/s ratio against that round's starting point. "
             f"Real tokens exclude padding; TFLOP/s counts model FLOPs of the real tokens only (6N per token + "
             f"attention over each sample's own length, vision tower included), the same for every row. {mfu} "
+            f"Step p50 / p90: over the timed steps; every step time of every run is in the JSON "
+            f"(runs.ROW[round].step_times_s, the warm-up's in warmup_step_times_s, the slowest step's index in "
+            f"slowest_step); a p90/p50 above 1.3 means stalls, not a slow step. "
             f"Padding: share of token positions the model computed on that were padding. Train loss: mean of the "
             f"last 20% of steps (batches differ when a row reorders or packs); eval loss: the same held-out "
             f"samples for every row, fp32. Best-set reason: {result.get('best_reason', '')}"
