@@ -76,7 +76,7 @@ def test_each_strategy_alone_really_switches_it_on(quick):
 
     assert "bf16 autocast" in lines("vlmfast+bf16") and "fp32 (no autocast)" in lines("vlmfast")
     assert "sdpa" in next(line for line in details["vlmfast+sdpa"]["strategies"] if line.startswith("attention"))
-    assert "torch.compile: whole model (eager" in lines("vlmfast+compile")
+    assert "torch.compile: " in lines("vlmfast+compile") and " blocks (eager" in lines("vlmfast+compile")
     assert "activation checkpointing" in lines("vlmfast+checkpointing")
     assert details["vlmfast+packing"]["data"]["collate"] == "PackingCollator"
     assert summary["vlmfast+packing"]["padding_fraction"] < summary["vlmfast"]["padding_fraction"] / 2
@@ -111,6 +111,9 @@ def test_the_json_keeps_every_step_time_and_the_table_states_p90_over_p50(quick)
         assert written["summary"][name]["step_time_p90_over_p50"] >= 1.0
     table = paths["md"].read_text()
     assert "step p50 / p90 (ms), p90/p50 |" in table and "step_times_s" in table
+    compile_row = next(line for line in table.splitlines() if line.startswith("| vlmfast+compile |"))
+    assert "; compile ~" in compile_row and "s in warm-up" in compile_row  # apart from the step times
+    assert written["summary"]["vlmfast+compile"]["warmup_excess_s"] >= 0
     ratio = written["summary"]["start"]["step_time_p90_over_p50"]
     assert f", {ratio:.2f} |" in next(line for line in table.splitlines() if line.startswith("| start |"))
 
@@ -121,6 +124,43 @@ def test_a_gpu_table_below_30_steps_or_3_rounds_says_its_p90_is_a_few_steps():
     assert "Fewer than 30 timed steps" not in comparison_markdown(result)  # 40 steps, 3 rounds
     result["workload"]["steps"] = 10
     assert "Fewer than 30 timed steps or 3 rounds on a GPU" in comparison_markdown(result)
+
+
+def test_compile_blocks_compiles_each_repeated_block_in_place_found_by_structure():
+    from torch import nn
+
+    from vlmfast.bench.runners import Settings, compile_blocks
+
+    class Eyes(nn.Module):  # names no table knows: the stacks are found by their shape
+        def __init__(self):
+            super().__init__()
+            self.retina = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+            self.head = nn.Linear(4, 2)
+
+    model = Eyes()
+    assert compile_blocks(model, Settings()) == 0 and model.retina[0]._compiled_call_impl is None
+    assert compile_blocks(model, Settings(compile=True, compile_backend="eager")) == 3
+    assert all(block._compiled_call_impl is not None for block in model.retina)
+    assert model._compiled_call_impl is None and model.head._compiled_call_impl is None  # not the whole model
+    assert list(model.state_dict()) == list(Eyes().state_dict())  # in place: the names stay
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        compile_blocks(nn.Linear(2, 2), Settings(compile=True))
+
+
+@pytest.mark.parametrize("contender", ["hand-written", "accelerate", "hf-trainer", "fabric"])
+def test_every_tool_s_compile_row_compiles_the_blocks_vlmfast_s_scope_blocks_compiles(contender, quick):
+    """The peers' compile rows compile per block, as vlmfast's compile.scope: blocks does: the same block count."""
+    from vlmfast.bench.configs import RUNNERS
+    from vlmfast.bench.runners import Settings
+
+    torch.set_num_threads(1)
+    _, result, _ = quick
+    vlmfast_line = next(line for line in result["summary"]["vlmfast+compile"]["details"]["strategies"]
+                        if line.startswith("torch.compile"))
+    run = RUNNERS[contender](build_workload("cpu", steps=1, warmup=0, batch_size=4),
+                             Settings(compile=True, compile_backend="eager"), CPU)
+    assert f"torch.compile: {run.details['compiled_blocks']} blocks" in vlmfast_line
+    assert run.details["compiled_blocks"] >= 2 and len(run.step_times) == 1
 
 
 def test_headroom_checkpointing_fits_more_and_the_oom_fallback_completes():

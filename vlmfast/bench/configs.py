@@ -91,8 +91,8 @@ def _strategies(device_type: str, quick: bool = False,
         # one window holds the whole short epoch and the run trains longest-first, which hurts the loss.
         "group_by_length": ({"data": {"group_by_length": "length", "shuffle": True}},
                             "batches of similar caption length"),
-        "compile": ({"compile": {"enabled": True, "backend": compile_backend}},
-                    f"torch.compile (whole model, {compile_backend}"
+        "compile": ({"compile": {"enabled": True, "backend": compile_backend, "scope": "blocks"}},
+                    f"torch.compile (each repeated block, {compile_backend}"
                     + (": --quick compiles nothing)" if quick else ")")),
         "workers": ({"data": {"num_workers": "auto", "autotune_budget_s": 0.5 if quick else 3.0}},
                     "DataLoader workers: auto (measured)"),
@@ -165,8 +165,8 @@ def build_configs(device_type: str, without: Collection[str] = (), quick: bool =
                          "eager", compile="compile" in best, tf32="tf32" in best,
                          compile_backend=QUICK_COMPILE_BACKEND if quick else "inductor",
                          num_workers=_manual_workers(device_type) if "workers" in best else 0)
-    what = (f"{loop_best.precision}, {loop_best.attention} attention, compile {'on' if loop_best.compile else 'off'}"
-            f", {loop_best.num_workers} workers")
+    what = (f"{loop_best.precision}, {loop_best.attention} attention, "
+            f"compile {'per block' if loop_best.compile else 'off'}, {loop_best.num_workers} workers")
     configs = [
         BenchConfig(START, "hand-written", Settings(), "start", "hand-written loop: fp32, eager, padded"),
         BenchConfig("vlmfast", "vlmfast", Settings(), "equal", "OptimizedTrainer, starting point's settings"),

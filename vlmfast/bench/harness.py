@@ -82,6 +82,9 @@ def summarise_run(result: RunResult, warmup: int, device: torch.device) -> dict[
         "tflops": tflops, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": result.peak_memory_gb, "final_train_loss": statistics.fmean(tail) if tail else None,
         "eval_loss": result.eval_loss, "warmup_s": result.setup_s + sum(result.step_times[:warmup]),
+        # what the warm-up steps cost above steady ones: torch.compile's compilation (at the first calls) with a
+        # compile row, else allocator and worker start-up; kept apart from the timed steps' figures
+        "warmup_excess_s": max(0.0, sum(result.step_times[:warmup]) - warmup * p50) if times else None,
         "samples_total": sum(result.samples), "tokens_total": sum(result.tokens),
     }
 

@@ -133,7 +133,7 @@ def comparison_markdown(result: dict[str, Any]) -> str:
         s = summary[name]
         mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else "n/a"
         rows.append(
-            f"| {name} | {config['description']} | {s['samples_per_s']:.1f} | "
+            f"| {name} | {config['description']}{_compile_time(config, s)} | {s['samples_per_s']:.1f} | "
             f"{ratios[name].get('vs_start', float('nan')):.2f} | {s['tokens_per_s']:.0f} | "
             f"{s['step_time_p50_s'] * 1e3:.1f} / {s['step_time_p90_s'] * 1e3:.1f}, {_tail(s)} | "
             f"{_memory(s.get('peak_memory_gb'), s['memory_kind'])} | {s['tflops']:.3f} | {mfu} | "
@@ -146,6 +146,15 @@ def comparison_markdown(result: dict[str, Any]) -> str:
         note = f"; quality: {check['quality']}" if check.get("quality") else ""
         lines.append(f"- {check['what']}: `{check['rule']}` -> {value}{note} (**{mark}**)")
     return "\n".join(lines)
+
+
+def _compile_time(config: dict[str, Any], summary: dict[str, Any]) -> str:
+    """A compile row's compilation time, apart from its step times: the warm-up steps' time above steady steps."""
+    settings = config.get("settings", {})
+    compiles = settings.get("compile") is True or bool(settings.get("spec", {}).get("compile", {}).get("enabled"))
+    if not compiles or summary.get("warmup_excess_s") is None:
+        return ""
+    return f"; compile ~{summary['warmup_excess_s']:.1f} s in warm-up"
 
 
 def _tail(summary: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from vlmfast.bench.workload import Workload, evaluate_loss
+from vlmfast.common.module_tree import find_repeated_blocks
 from vlmfast.common.tf32 import restore_tf32_state, set_tf32, tf32_state
 from vlmfast.data.batch import move_to_device
 from vlmfast.data.micro_batches import SampleBatch
@@ -51,7 +52,7 @@ class Settings:
 
     precision: str = "fp32"
     attention: str = "eager"  # the model's attention backend at start (vlmfast may switch it through its spec)
-    compile: bool = False
+    compile: bool = False  # each repeated block in place (compile_blocks), as vlmfast's compile.scope: blocks
     compile_backend: str = "inductor"  # `bench --quick`: eager (dynamo captures the graph, nothing is compiled)
     num_workers: int = 0
     tf32: bool = False
@@ -195,6 +196,25 @@ def _tf32(enabled: bool) -> Iterator[None]:
         restore_tf32_state(saved)
 
 
+def compile_blocks(model: nn.Module, settings: Settings) -> int:
+    """What a user of another tool writes to compile per block: every module of each repeated stack of the model
+    (found by structure, :func:`~vlmfast.common.module_tree.find_repeated_blocks`, not by names), compiled in place.
+
+    Blocks of one class share their compiled code, so this compiles a few graphs where whole-model compilation traces
+    everything: the same scope as vlmfast's ``compile.scope: blocks``. Returns the number of blocks (0: compile off).
+    Usage: ``compile_blocks(model, Settings(compile=True))`` before the tool wraps the model.
+    """
+    if not settings.compile:
+        return 0
+    blocks = [block for stack in find_repeated_blocks(model).values() for block in stack]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of two or more modules of "
+                         "one class) to compile one by one")
+    for block in blocks:
+        block.compile(backend=settings.compile_backend)
+    return len(blocks)
+
+
 def hand_written(workload: Workload, settings: Settings, device: torch.device) -> RunResult:
     """The user's starting point: ``loss = model(**batch).loss; loss.backward(); opt.step(); opt.zero_grad()``.
 
@@ -204,18 +224,18 @@ def hand_written(workload: Workload, settings: Settings, device: torch.device) -
     with MemoryWatch(device) as memory, _tf32(settings.tf32):
         model = workload.build_model(settings.attention).to(device).train()
         optimizer = _fused_adamw(model, workload, device)
-        step_model = torch.compile(model, backend=settings.compile_backend) if settings.compile else model
+        blocks = compile_blocks(model, settings)
         recorder.start()
         for batch in _loader(workload, settings, device):
             recorder.batch(batch)
             batch = move_to_device(batch, device)
             with autocast_context(settings.precision, device):
-                loss = step_model(**batch).loss
+                loss = model(**batch).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             recorder.step(loss.item())  # the user's logging; also where a CUDA loop waits for the device
-    return recorder.result(model, memory)
+    return recorder.result(model, memory, **({"compiled_blocks": blocks} if blocks else {}))
 
 
 def vlmfast_run(workload: Workload, settings: Settings, device: torch.device) -> RunResult:
@@ -311,9 +331,11 @@ def accelerate_loop(workload: Workload, settings: Settings, device: torch.device
     _reset_accelerate_state()
     recorder = StepRecorder(workload, device)
     with MemoryWatch(device) as memory, _tf32(settings.tf32):
+        # Accelerate's dynamo_backend compiles the whole model: the blocks are compiled in place instead
         accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=_LOOP_PRECISION["accelerate"][
-            settings.precision], dynamo_backend=settings.compile_backend if settings.compile else "no")
+            settings.precision])
         model = workload.build_model(settings.attention)
+        blocks = compile_blocks(model, settings)
         optimizer = _fused_adamw(model.to(device), workload, device)
         step_model, optimizer, loader = accelerator.prepare(model, optimizer, _loader(workload, settings, device))
         step_model.train()
@@ -327,7 +349,7 @@ def accelerate_loop(workload: Workload, settings: Settings, device: torch.device
             recorder.step(loss.item())
         mixed_precision = accelerator.mixed_precision
     _reset_accelerate_state()
-    return recorder.result(model, memory, mixed_precision=mixed_precision)
+    return recorder.result(model, memory, mixed_precision=mixed_precision, compiled_blocks=blocks)
 
 
 def fabric_loop(workload: Workload, settings: Settings, device: torch.device) -> RunResult:
@@ -342,9 +364,8 @@ def fabric_loop(workload: Workload, settings: Settings, device: torch.device) ->
         fabric = Fabric(accelerator=device.type, devices=1, precision=_LOOP_PRECISION["fabric"][settings.precision])
         model = workload.build_model(settings.attention)
         optimizer = _fused_adamw(model.to(fabric.device), workload, device)
-        # Fabric's documented order: compile first, setup re-applies the compilation to its wrapper.
-        step_model, optimizer = fabric.setup(
-            torch.compile(model, backend=settings.compile_backend) if settings.compile else model, optimizer)
+        blocks = compile_blocks(model, settings)  # in place, before setup wraps the model
+        step_model, optimizer = fabric.setup(model, optimizer)
         loader = fabric.setup_dataloaders(_loader(workload, settings, device))
         step_model.train()
         recorder.start()
@@ -355,7 +376,7 @@ def fabric_loop(workload: Workload, settings: Settings, device: torch.device) ->
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             recorder.step(loss.item())
-    return recorder.result(model, memory, precision=str(fabric.strategy.precision.precision))
+    return recorder.result(model, memory, precision=str(fabric.strategy.precision.precision), compiled_blocks=blocks)
 
 
 class _DictOutput(nn.Module):
@@ -398,13 +419,14 @@ def hf_trainer(workload: Workload, settings: Settings, device: torch.device) -> 
     recorder = StepRecorder(workload, device)
     with MemoryWatch(device) as memory, _tf32(settings.tf32), tempfile.TemporaryDirectory() as out:
         model = workload.build_model(settings.attention)
+        blocks = compile_blocks(model, settings)  # TrainingArguments.torch_compile would compile the whole model
         trainer = RecordingTrainer(model=_DictOutput(model), args=_training_arguments(workload, settings, device, out),
                                    train_dataset=workload.dataset, data_collator=workload.collate, callbacks=[Clock()])
         trainer.train()
         args = trainer.args
     _reset_accelerate_state()
     return recorder.result(model, memory, sampler=args.train_sampling_strategy, bf16=args.bf16,
-                           torch_compile=args.torch_compile, auto_find_batch_size=args.auto_find_batch_size,
+                           compiled_blocks=blocks, auto_find_batch_size=args.auto_find_batch_size,
                            dataloader_num_workers=args.dataloader_num_workers)
 
 
@@ -433,6 +455,5 @@ def _training_arguments(workload: Workload, settings: Settings, device: torch.de
         dataloader_persistent_workers=settings.num_workers > 0, dataloader_pin_memory=device.type == "cuda",
         train_sampling_strategy="group_by_length" if settings.group_by_length else "sequential",
         bf16=settings.precision == "bf16", fp16=settings.precision == "fp16", tf32=settings.tf32 or None,
-        torch_compile=settings.compile, torch_compile_backend=settings.compile_backend if settings.compile else None,
         auto_find_batch_size=settings.auto_find_batch_size,
     )
