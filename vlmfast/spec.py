@@ -379,7 +379,15 @@ class LogSpec(Section):
                             "and the spread across ranks per step (one small all-reduce; on with data.rank_balance)")
     wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases: the metrics.jsonl figures")
     mlflow: MLflowSpec = Field(default_factory=MLflowSpec, description="MLflow: the metrics.jsonl figures")
-    progress: Literal["auto", "on", "off"] = Field("auto", description="progress bar; auto: only on a terminal")
+    progress: Literal["auto", "on", "off", "lines"] = Field(
+        "auto", description="on: a progress bar; lines: a plain line (step, loss, samples/s, tokens/s, ETA) every "
+        "lines_every_steps steps or lines_every_s seconds, whichever comes first (for a log file); auto: the bar on "
+        "a terminal, lines when stderr is not one (a file, nohup, a cluster job); off: neither"
+    )
+    lines_every_steps: int = Field(50, ge=1, description="progress: lines: a line every N optimizer steps (and the "
+                                   "first and last step)")
+    lines_every_s: float = Field(30.0, gt=0, description="progress: lines: a line at the first step that ends N "
+                                 "seconds or more after the previous line")
     history_steps: int = Field(
         10_000, ge=1, description="per-step records kept in memory (FitResult.history, the profiler's step times); "
         "older ones are dropped so long runs do not grow (metrics.jsonl keeps every step)"

@@ -1,4 +1,5 @@
-"""What a run tells its user: a progress bar, per-step metrics (JSONL, TensorBoard) and an end-of-run report.
+"""What a run tells its user: a progress bar (plain lines off a terminal: progress_lines.py), per-step metrics
+(JSONL, TensorBoard) and an end-of-run report.
 
 Only rank 0 writes. After a resume, ``metrics.jsonl`` is first cut back to the step the run resumed from (a killed
 run may have logged steps after its last checkpoint, which are about to run again), and TensorBoard purges its events
@@ -33,6 +34,7 @@ from tqdm.auto import tqdm
 
 from vlmfast.common.safe_files import open_fd, refuse_symlink, write_atomic
 from vlmfast.profiling.phase_timer import percentile
+from vlmfast.reporting.progress_lines import ProgressLines
 from vlmfast.reporting.tracking import close_trackers, open_trackers
 from vlmfast.spec import LogSpec
 
@@ -80,9 +82,12 @@ class MetricsLogger:
                 self._tensorboard = SummaryWriter(log_dir=str(spec.dir), purge_step=initial_step + 1,
                                                   filename_suffix=f".{secrets.token_hex(6)}")
                 _check_event_file(self._tensorboard)
-        show = {"on": True, "off": False, "auto": sys.stderr.isatty()}[spec.progress]
+        mode = spec.progress if spec.progress != "auto" else "on" if sys.stderr.isatty() else "lines"
         self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
-                         disable=not (enabled and show))
+                         disable=not (enabled and mode == "on"))
+        # no terminal (a log file, nohup, a cluster job): plain lines instead of the bar, flushed at once
+        self._lines = ProgressLines(spec.lines_every_steps, spec.lines_every_s, total_steps) \
+            if enabled and mode == "lines" else None
 
     @staticmethod
     def _open_truncated(path: Path, initial_step: int) -> int | None:
@@ -129,6 +134,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._bar.update(1)
+        if self._lines is not None:
+            self._lines.step(metrics)
         step = metrics["step"]
         if step % self.spec.every_steps:
             return
@@ -197,6 +204,7 @@ class MetricsLogger:
         """Print a line without breaking the progress bar."""
         if self.enabled:
             self._bar.write(message, file=sys.stderr)
+            sys.stderr.flush()  # a log file sees it now, not when the run ends
 
     def close(self) -> None:
         self._bar.close()

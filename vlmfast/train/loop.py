@@ -13,6 +13,7 @@ optimizer batch, so the effective batch never depends on the micro-batch size (C
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
@@ -91,6 +92,7 @@ class OptimizedTrainer:
         self._interrupt: str | None = None  # a signal received here (set by fit)
         self._stop_agreed = False  # under several ranks: some rank wants to stop (agreed in the step's all-reduce)
         self.state = TrainState()
+        self._say: Callable[[str], None] = _to_stderr  # fit() routes it through its progress bar
 
         self.engine = build_engine(spec, self.device, self.world_size)
         if spec.save.export.dir is not None and (refusal := self._export_refusal()):
@@ -160,7 +162,8 @@ class OptimizedTrainer:
         deals = getattr(sampler, "deals", None)
         if not deals:
             return {}
-        dealt = deals.get(self.loader.state_dict()["batch_in_epoch"] - 1)
+        position = self.loader.state_dict()
+        dealt = deals.pop((position["epoch"], position["batch_in_epoch"] - 1), None)  # read once: bounded
         return {} if dealt is None else {"balance/imbalance": dealt[0], "balance/imbalance_positional": dealt[1]}
 
     def _probe_batches(self, count: int = 16) -> Iterator[Any]:
@@ -250,14 +253,19 @@ class OptimizedTrainer:
     def _fit(self) -> FitResult:
         resumed_from = resume_run(self.engine, self.load_state_dict, self.spec.save.resume, self.spec.save.dir,
                                   check=self.check_resumable)
+        if resumed_from is not None and self.state.step >= self.spec.max_steps:
+            return self._nothing_to_do(resumed_from)
         if self.spec.save.dir is not None:  # now, before any step: a checkpoint written when data is stuck needs it
             self._data_fingerprint()
+        # Workers start here, on this thread, before any step, and read only the batches the run still needs.
+        getattr(self.loader, "start", lambda batches: None)(max(self.spec.max_steps - self.state.step, 0))
         self.model.train()
         reset_peak_memory(self.device)
         history: list[dict[str, Any]] = []
         result = FitResult(history=history, report=None, resumed_from=resumed_from)  # type: ignore[arg-type]
         metrics_logger = MetricsLogger(self.spec.log, self.spec.max_steps, self.state.step, self.is_main_process,
                                        config=self.spec.to_dict())  # W&B / MLflow record the spec as the run's config
+        self._say = metrics_logger.write  # through the progress bar while it runs
         self._fire("on_fit_start")
         start, first_step, first_loss = time.perf_counter(), self.state.step, None
         rank_failure = explain_rank_failure(self.world_size, self.spec.ddp.timeout_minutes)  # no silent hang
@@ -295,6 +303,8 @@ class OptimizedTrainer:
             if not result.interrupted:  # save.export: a completed run only
                 result.exported = self._export_at_end(metrics_logger)
             result.report = self._build_report(history, time.perf_counter() - start)
+            if result.checkpoint is not None:
+                result.report.extra["checkpoint"] = str(result.checkpoint)
             if result.exported is not None:
                 result.report.extra["exported"] = str(result.exported)
             # history may hold only the latest steps (log.history_steps): the run's first loss and step count
@@ -307,8 +317,17 @@ class OptimizedTrainer:
                 metrics_logger.compare(result.report, eval_loss=result.eval_loss)  # spec; vs the previous run
                 metrics_logger.write(result.report.to_text())
                 self._write_report(metrics_logger.whole_run(result.report))  # report.json: all sessions
+        self._say = _to_stderr
         self._fire("on_fit_end", result)
         return result
+
+    def _nothing_to_do(self, checkpoint: Path) -> FitResult:
+        """A resume whose checkpoint is already at max_steps: one line, and no step, report, evaluation or export
+        (no callback runs either). Returns an empty history, no report, the checkpoint it found."""
+        if self.is_main_process:
+            _to_stderr(f"nothing to do: {checkpoint} is at step {self.state.step} and max_steps is "
+                       f"{self.spec.max_steps} (raise max_steps to train further)")
+        return FitResult(history=[], resumed_from=checkpoint, checkpoint=checkpoint)
 
     def _next_batch(self) -> Any:
         """The next batch; when it does not come within data.timeout_s, the final checkpoint, then the error."""
@@ -592,6 +611,8 @@ class OptimizedTrainer:
                         self.state.step, self.spec.save.keep_last, meta={"samples_seen": self.state.samples_seen},
                         write=write, trainable_only=self._trainable_only())
         if self.is_main_process:
+            pending = " (being written in the background: save.async)" if self.checkpointer is not None else ""
+            self._say(f"checkpoint of step {self.state.step}: {path}{pending}")
             self._fire("on_save", path)
         return path
 
@@ -642,6 +663,10 @@ class OptimizedTrainer:
             hook = getattr(callback, event, None)
             if hook is not None:
                 hook(self, *args)
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _bound(history: list[dict[str, Any]], keep: int) -> None:
