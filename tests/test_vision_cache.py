@@ -3,6 +3,7 @@ invalidation and refusals, the store, the Hugging Face layouts, and the other st
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -12,8 +13,10 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.features import FeatureStore, KeyedCollate, check_deterministic
+from vlmfast.features import store as store_module
 from vlmfast.features.cache import FeatureCache
 from vlmfast.features.keys import KEYS_FIELD, FlatKeys, batch_image_keys
+from vlmfast.features.store import CorruptEntryError, UnverifiableEntryError
 from vlmfast.models import build_tiny_vlm_task
 from vlmfast.models.tiny_vlm import TinyVLM, TinyVLMConfig
 from vlmfast.strategies.registry import BuildContext, build_strategies
@@ -237,15 +240,118 @@ def test_store_round_trip_writers_bound_and_crash_tail(tmp_path):
     assert torch.equal(a.read(a.get(key[1])), y) and a.get(key[1]).dtype == torch.bfloat16
     assert not a.put(key[2], torch.zeros(1200)) and a.full  # 4800 bytes > what is left of 4096
     b.close()
-    with open(tmp_path / "w1.idx", "ab") as f:
+    with open(tmp_path / "w1.v2.idx", "ab") as f:
         f.write(b"\x01" * 10)  # a record torn by a kill
     c = FeatureStore(tmp_path, max_bytes=4096)  # takes the free slot 1, drops the torn tail, appends after y
-    assert c.writer == 1 and os.path.getsize(tmp_path / "w1.idx") == 64
+    assert c.writer == 1 and os.path.getsize(tmp_path / "w1.v2.idx") == 72
     assert c.put(key[3], torch.ones(4)) and torch.equal(c.read(c.get(key[1])), y)
     reader = FeatureStore(tmp_path, max_bytes=4096, read_only=True)
     assert reader.writer is None and len(reader) == 3 and not reader.put(bytes(16), x)
     for store in (a, c, reader):
         store.close()
+
+
+def _flip_sign_bits(store_dir, count: int | None = None) -> int:
+    """Flip the sign bit of every float32 in the first `count` entries (all when None) of a store's segment files,
+    as a damaged disk would; returns how many entries were hit."""
+    entries = list(FeatureStore(store_dir, max_bytes=1 << 30, read_only=True).entries.values())[:count]
+    for entry in entries:
+        with open(store_dir / f"w{entry.writer}-{entry.segment}.bin", "r+b") as f:
+            f.seek(entry.offset)
+            data = bytearray(f.read(entry.nbytes))
+            data[3::4] = bytes(b ^ 0x80 for b in data[3::4])
+            f.seek(entry.offset)
+            f.write(data)
+    return len(entries)
+
+
+def test_flipped_bytes_in_a_segment_file_are_never_trained_on(tmp_path, caplog):
+    """A segment file damaged between two runs: its entries fail their checksums, the store is dropped (more than a
+    few corrupt entries) with a warning naming vision_cache.dir, and the run trains on the tower's own features."""
+    _, plain = _fit(tmp_path / "plain", False)
+    _fit(tmp_path, True)
+    (store_dir,) = (tmp_path / "cache").iterdir()
+    assert _flip_sign_bits(store_dir) == 32
+    trainer, damaged = _fit(tmp_path, True)
+    assert_same_training(plain, damaged)
+    cache = _cache_of(trainer)
+    assert "failed their checksums" in cache.disabled and "vision_cache.dir" in cache.disabled
+    assert cache.stats.corrupt == 4 and sum(h["vision_cache/corrupt"] for h in damaged.history) == 4
+    assert any("vision_cache.dir" in r.getMessage() and str(store_dir) in r.getMessage() for r in caplog.records)
+    assert any("vision_cache: off" in line for line in damaged.report.strategies)
+
+
+def test_one_corrupt_entry_is_recomputed_replaced_and_said_once(tmp_path, caplog):
+    model, dataset, collate = _task(4)
+    batch = collate([dataset[i] for i in range(4)])
+    expected = model(**batch).loss
+    cache = cache_vision_features(model, tmp_path)
+    model(**batch)
+    (store_dir,) = tmp_path.iterdir()
+    _flip_sign_bits(store_dir, count=1)
+    reader = FeatureStore(store_dir, max_bytes=1 << 30, read_only=True)
+    with pytest.raises(CorruptEntryError, match="do not match their checksum"):
+        reader.read(next(iter(reader.entries.values())))  # the entry _flip_sign_bits damaged
+    for _ in range(2):
+        assert torch.equal(model(**batch).loss, expected)
+    warnings = [r for r in caplog.records if "failed its checksum" in r.getMessage()]
+    assert cache.stats.corrupt == 1 and len(warnings) == 1 and cache.disabled is None
+    assert cache.stats.hits == 3 + 4  # the replaced entry hits in the third call
+    fresh = FeatureStore(store_dir, max_bytes=1 << 30, read_only=True)  # another process: the later record wins
+    assert len(fresh) == 4 and all(fresh.read(entry) is not None for entry in fresh.entries.values())
+    cache.remove()
+
+
+@pytest.mark.parametrize("kind", sorted(store_module.CHECKSUMS))
+def test_each_checksum_function_catches_a_flip_and_a_reader_without_the_writers_treats_it_as_a_miss(
+        tmp_path, monkeypatch, kind):
+    monkeypatch.setattr(store_module, "CHECKSUM_KIND", kind)
+    store = FeatureStore(tmp_path, max_bytes=1 << 20)
+    x = torch.randn(64)
+    assert store.put(bytes(16), x) and store.get(bytes(16)).checksum_kind == kind
+    monkeypatch.setattr(store_module, "CHECKSUMS", {k: f for k, f in store_module.CHECKSUMS.items() if k != kind})
+    with pytest.raises(UnverifiableEntryError, match="pip install xxhash"):
+        FeatureStore(tmp_path, max_bytes=1 << 20, read_only=True).read(store.get(bytes(16)))
+    monkeypatch.undo()
+    _flip_sign_bits(tmp_path, count=1)
+    with pytest.raises(CorruptEntryError, match="do not match"):
+        store.read(store.get(bytes(16)))
+    store.close()
+
+
+def test_a_full_disk_is_an_uncached_run_with_a_warning_naming_the_folder(tmp_path, monkeypatch, caplog):
+    """ENOSPC when an entry's blocks are reserved (before any byte goes through the map, so never a SIGBUS)."""
+    _, plain = _fit(tmp_path / "plain", False)
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    trainer, full = _fit(tmp_path, True)
+    assert_same_training(plain, full)
+    cache = _cache_of(trainer)
+    assert "no room" in cache.disabled and "vision_cache.dir" in cache.disabled and cache.stats.stored == 0
+    assert any("No space left" in r.getMessage() and "vision_cache.dir" in r.getMessage() for r in caplog.records)
+
+
+def test_without_fallocate_space_is_reserved_by_writing_and_a_full_disk_raises(tmp_path, monkeypatch):
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    store = FeatureStore(tmp_path, max_bytes=1 << 20)
+    x = torch.randn(100)
+    assert store.put(bytes(16), x) and torch.equal(store.read(store.get(bytes(16))), x)
+    assert (tmp_path / "w0-0.bin").stat().st_blocks > 0 and store.disk_bytes() < 1 << 20  # reserved, still sparse
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match="No space left"):
+        store.put(bytes([1]) * 16, x)
+    assert store.get(bytes([1]) * 16) is None and len(store) == 1
+    store.close()
 
 
 def test_batch_keys_follow_rows_and_split_with_micro_batches():
@@ -411,8 +517,8 @@ def test_ddp_two_ranks_share_one_store(tmp_path):
         assert_gradients_close(rank[True]["weights"], rank[False]["weights"], rtol=1e-5)
         # 16 samples per rank: epoch 1 = steps 1-2 (step 1's hits are the label-convention probe's re-read)
         assert rank[True]["hits"][1:] == [0, 8, 8]
-    names = {p.name for p in next((tmp_path / "cache").iterdir()).glob("w*.idx")}
-    assert {"w0.idx", "w1.idx"} <= names  # each rank wrote its own entries
+    names = {p.name for p in next((tmp_path / "cache").iterdir()).glob("w*.v2.idx")}
+    assert {"w0.v2.idx", "w1.v2.idx"} <= names  # each rank wrote its own entries
 
 
 @pytest.mark.parametrize("image_by_image", [False, True], ids=["same blocking", "tower image by image"])

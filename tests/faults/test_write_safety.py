@@ -119,7 +119,7 @@ WRITERS = {  # what writes it, and the name it writes (a link there must be refu
     "token data (temporary)": (_token_file, "tokens.bin.tmp"),
     "token index (temporary)": (_token_file, "tokens.idx.npy.tmp.npy"),
     "feature cache lock": (_feature_cache, "cache/w0.lock"),
-    "feature cache index": (_feature_cache, "cache/w0.idx"),
+    "feature cache index": (_feature_cache, "cache/w0.v2.idx"),
     "step-time plot": (_step_time_plot, "plot.png"),
     "memory plot": (_memory_plot, "plot.png"),
 }

@@ -15,9 +15,13 @@ Per call:
    buffers (hashed once, re-hashed when a tensor's version counter moves), the model config, the call's other
    arguments, autocast state, device type, torch version, storage dtype, and the data preprocessing. Changing any of
    them starts a new store; the old one is never read again.
-4. Misses run through the tower (all at once when nothing hit: exactly the uncached call), are stored, and are
-   returned; hits are read from the memory-mapped store. Features stored in another dtype (``dtype: bf16``) are
-   rounded on the miss path too, so a run gives the same features whether an image hit or missed.
+4. Hits are read from the memory-mapped store and verified against their record's checksum; a feature that fails
+   it is a miss (recomputed, its entry replaced, counted as ``vision_cache/corrupt``, said once), and a store with
+   more than ``CORRUPT_LIMIT`` of them is dropped (the cache turns off for the run, naming ``vision_cache.dir``).
+5. Misses run through the tower (all at once when nothing hit: exactly the uncached call), are stored, and are
+   returned. Features stored in another dtype (``dtype: bf16``) are rounded on the miss path too, so a run gives
+   the same features whether an image hit or missed. A disk without room for an entry turns the cache off with a
+   warning naming ``vision_cache.dir``.
 
 Usage::
 
@@ -41,14 +45,15 @@ import torch
 from torch import Tensor, nn
 
 from vlmfast.features.keys import KEYS_FIELD, FlatKeys, hash_bytes, tensor_key
-from vlmfast.features.store import FeatureStore
+from vlmfast.features.store import CorruptEntryError, FeatureStore, UnverifiableEntryError
 from vlmfast.features.units import CallImages, Unit, model_results, output_tensors, resolve_unit, tensors_close
 
 __all__ = ["CacheStats", "FeatureCache"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = "vlmfast-vision-cache/1"
+FORMAT = "vlmfast-vision-cache/2"  # 2: records carry a checksum (stores of format 1 live in other folders)
+CORRUPT_LIMIT = 3  # corrupt entries a store may hold before it is dropped: more is a damaged disk, not a stray bit
 TIMED_RUNS = 64  # tower runs whose (CUDA event) times are kept for the per-image tower time
 
 
@@ -64,6 +69,7 @@ class CacheStats:
     bytes_written: int = 0
     calls: int = 0
     bypassed_calls: int = 0  # calls passed straight to the tower (refused, or a layout the adapter does not know)
+    corrupt: int = 0  # cached features whose bytes failed their checksum (recomputed)
     hashed_images: int = 0  # images hashed on the training thread (the batch carried no keys)
     tower_seconds: float = 0.0  # tower time on the timed runs
     tower_images: int = 0  # images in the timed runs
@@ -123,6 +129,7 @@ class FeatureCache:
         self._timed_runs = 0
         self._events: list[tuple[Any, Any, int]] = []  # CUDA (start, end, images) not yet read
         self._meta: dict[bytes, dict[str, Any]] = {}  # a new store's meta.json, until the store is opened
+        self._corrupt_in: dict[Path, int] = {}  # store folder -> corrupt entries found in it
         self._original = getattr(self.unit.owner, self.unit.attribute)
         self._signature = inspect.signature(self._original)
         # Lookups and disk I/O are Python: under torch.compile(model) they run eagerly (a graph break).
@@ -223,16 +230,19 @@ class FeatureCache:
         if namespace is None:
             self.stats.bypassed_calls += 1
             return self._original(*args, **kwargs)
-        self.stats.calls += 1
         store = self._store(namespace)
+        if store is None:  # no room on the disk for the store's files: refused
+            self.stats.bypassed_calls += 1
+            return self._original(*args, **kwargs)
+        self.stats.calls += 1
         keys = self._keys(images, pending)
         real = [i for i, is_real in enumerate(images.real) if is_real]
         entries = {i: store.get(keys[i]) for i in real}
-        missing = [i for i in real if entries[i] is None]
-        if missing and store.refresh():  # another rank may have stored them since
-            entries.update({i: store.get(keys[i]) for i in missing})
-            missing = [i for i in real if entries[i] is None]
-        self.stats.hits += len(real) - len(missing)
+        if any(entry is None for entry in entries.values()) and store.refresh():  # another rank may have stored them
+            entries = {i: store.get(keys[i]) for i in real}
+        hits, corrupt = self._read_hits(store, entries)
+        missing = [i for i in real if i not in hits]
+        self.stats.hits += len(hits)
         self.stats.misses += len(missing)
         computed: dict[int, Tensor] = {}
         raw = None
@@ -241,11 +251,11 @@ class FeatureCache:
             tower_start = time.perf_counter()
             features, raw = self._run(arguments, images, missing)
             tower_seconds = time.perf_counter() - tower_start
-            computed = dict(zip(missing, self._store_features(store, keys, missing, features), strict=True))
-        if not self.disabled and raw is not None and self.storage_dtype is None:
+            computed = dict(zip(missing, self._store_features(store, keys, missing, features, corrupt), strict=True))
+        if not hits and raw is not None and (self.disabled or self.storage_dtype is None):
             self.stats.overhead_seconds += time.perf_counter() - start - tower_seconds
             return raw  # nothing hit: exactly the uncached call's output
-        output = self.unit.adapter.assemble(self._gather(store, entries, computed, real), images, arguments)
+        output = self.unit.adapter.assemble(self._gather(hits, entries, computed, real), images, arguments)
         self.stats.overhead_seconds += time.perf_counter() - start - tower_seconds
         return output
 
@@ -343,13 +353,50 @@ class FeatureCache:
                 "arguments": dict(state[3]), "preprocessing": json.loads(self.preprocessing)}
         return namespace
 
-    def _store(self, namespace: bytes) -> FeatureStore:
+    def _store(self, namespace: bytes) -> FeatureStore | None:
         store = self.stores.get(namespace)
         if store is None:
-            store = self.stores[namespace] = FeatureStore(
-                self.root / namespace.hex()[:20], self.max_bytes, read_only=self.read_only,
-                meta=self._meta.pop(namespace, None))
+            try:
+                store = FeatureStore(self.root / namespace.hex()[:20], self.max_bytes, read_only=self.read_only,
+                                     meta=self._meta.pop(namespace, None))
+            except OSError as exc:
+                if isinstance(exc, PermissionError) and not self.read_only:
+                    raise  # a folder the user cannot write: their setting to change, not a full disk
+                self._refuse(f"cannot open a store under vision_cache.dir {self.root} ({exc})")
+                return None
+            self.stores[namespace] = store
         return store
+
+    def _read_hits(self, store: FeatureStore, entries: dict[int, Any]) -> tuple[dict[int, Tensor], set[int]]:
+        """The stored features of the images that have an entry, verified: (features by image, the images whose
+        entry failed its checksum). After a store is dropped nothing is read from it."""
+        hits: dict[int, Tensor] = {}
+        corrupt: set[int] = set()
+        for i, entry in entries.items():
+            if entry is None or self.disabled:
+                continue
+            try:
+                hits[i] = store.read(entry)
+            except CorruptEntryError as exc:
+                corrupt.add(i)  # recomputed and replaced
+                if not isinstance(exc, UnverifiableEntryError):
+                    self._count_corrupt(store, exc)
+                continue
+            self.stats.bytes_read += entry.nbytes
+        if self.disabled:  # dropped during this call: the tower computes every image
+            return {}, set()
+        return hits, corrupt
+
+    def _count_corrupt(self, store: FeatureStore, error: CorruptEntryError) -> None:
+        self.stats.corrupt += 1
+        found = self._corrupt_in[store.path] = self._corrupt_in.get(store.path, 0) + 1
+        if found == 1:
+            log.warning("vision_cache: a cached feature failed its checksum (%s): recomputed and its entry replaced; "
+                        "vision_cache/corrupt counts such features", error)
+        if found > CORRUPT_LIMIT:
+            self._refuse(f"{found} cached features in {store.path} failed their checksums (a damaged disk, or files "
+                         f"changed by hand): the store is dropped; delete that folder of vision_cache.dir "
+                         f"({self.root}) to rebuild it")
 
     # ---- the tower ----------------------------------------------------------------------------------------------
     def _run(self, arguments: dict[str, Any], images: CallImages, indices: list[int]) -> tuple[list[Tensor], Any]:
@@ -377,17 +424,16 @@ class FeatureCache:
         return True
 
     def _store_features(self, store: FeatureStore, keys: list[bytes], indices: list[int],
-                        features: Sequence[Tensor]) -> list[Tensor]:
-        """Write the computed features; return them as the step uses them (rounded to the storage dtype)."""
+                        features: Sequence[Tensor], replace: set[int]) -> list[Tensor]:
+        """Write the computed features (`replace`: images whose stored entry was corrupt); return them as the step
+        uses them (rounded to the storage dtype)."""
         out = []
         for i, feature in zip(indices, features, strict=True):
             stored = feature.detach().to("cpu", self.storage_dtype or feature.dtype).contiguous()
-            if self.disabled is None and store.writer is not None:
-                if store.put(keys[i], stored, source_dtype=feature.dtype):
-                    self.stats.stored += 1
-                    self.stats.bytes_written += stored.numel() * stored.element_size()
-                else:
-                    self.stats.not_stored += 1
+            if self.disabled is None and store.writer is not None and self._put(store, keys[i], stored,
+                                                                                 feature.dtype, i in replace):
+                self.stats.stored += 1
+                self.stats.bytes_written += stored.numel() * stored.element_size()
             else:
                 self.stats.not_stored += 1
             if self.storage_dtype is not None and self.storage_dtype != feature.dtype:
@@ -395,20 +441,21 @@ class FeatureCache:
             out.append(feature)
         return out
 
-    def _gather(self, store: FeatureStore, entries: dict[int, Any], computed: dict[int, Tensor],
+    def _put(self, store: FeatureStore, key: bytes, stored: Tensor, source_dtype: torch.dtype, replace: bool) -> bool:
+        try:
+            return store.put(key, stored, source_dtype=source_dtype, replace=replace)
+        except OSError as exc:  # a full disk (space is reserved before any byte is written through the map)
+            self._refuse(f"no room for features under vision_cache.dir {self.root} ({exc}); free space there or "
+                         "point vision_cache.dir at a larger disk")
+            return False
+
+    def _gather(self, hits: dict[int, Tensor], entries: dict[int, Any], computed: dict[int, Tensor],
                 real: list[int]) -> list[Tensor]:
-        """Features of the real images in order: computed ones as they are, hits read from the store."""
+        """Features of the real images in order: computed ones as they are, hits (read from the store) moved to the
+        device in the dtype the tower produced."""
         device = next((f.device for f in computed.values()), None) or self._device()
-        out = []
-        for i in real:
-            if i in computed:
-                out.append(computed[i])
-                continue
-            entry = entries[i]
-            feature = store.read(entry)
-            self.stats.bytes_read += entry.nbytes
-            out.append(feature.to(device=device, dtype=entry.source_dtype, non_blocking=True))
-        return out
+        return [computed[i] if i in computed else
+                hits[i].to(device=device, dtype=entries[i].source_dtype, non_blocking=True) for i in real]
 
     def _device(self) -> torch.device:
         return next((t.device for t in self._params), torch.device("cpu"))

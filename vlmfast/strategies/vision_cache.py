@@ -119,6 +119,7 @@ class VisionCache(Strategy):
         now = self.cache.stats
         step.metrics["vision_cache/hits"] = now.hits - self._last.hits
         step.metrics["vision_cache/misses"] = now.misses - self._last.misses
+        step.metrics["vision_cache/corrupt"] = now.corrupt - self._last.corrupt
         self._last = CacheStats(**vars(now))
 
     def state_dict(self) -> dict[str, Any]:
