@@ -133,7 +133,8 @@ RULES: list[tuple[str, str, str]] = [
     (r"doctor .*--apply", "check", "tests/test_doctor.py::test_one_flag_at_a_time_measures_each_change_alone runs "
      "--apply's trials"),
     (r"^vlmfast export ", "check", "needs a checkpoint: tests/test_export.py::"
-     "test_vlmfast_export_writes_the_weights_of_a_tiny_vlm_checkpoint trains one and exports it (a save.dir too)"),
+     "test_vlmfast_export_of_a_tiny_vlm_run_that_saved_every_step_reloads_with_the_documented_lines trains one and "
+     "exports it (a save.dir too)"),
     (r"^(torchrun|accelerate launch|bash examples/launch_multi_gpu\.sh)|--devices 2", "launch", ""),
     (r"^(\S+=\S+ )*(\.venv/bin/)?(vlmfast|python3? examples/)", "run", ""),
 ]

@@ -42,7 +42,7 @@ def _metrics(step: int, step_time: float = 0.5) -> dict[str, float]:
 
 
 def test_progress_lines_come_at_the_first_step_every_n_steps_after_t_seconds_and_at_the_last_step(tmp_path):
-    clock, out = _Clock(), open(tmp_path / "out.txt", "w")  # noqa: SIM115 (read back below)
+    clock, out = _Clock(), open(tmp_path / "out.txt", "w")  # noqa: SIM115
     lines = ProgressLines(every_steps=10, every_s=30.0, total_steps=25, stream=out, clock=clock)
     printed = {}
     for step in range(1, 26):

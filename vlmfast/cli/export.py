@@ -4,8 +4,10 @@ The model is rebuilt as `vlmfast train` built it (``--task``, default the built-
 the checkpoint (``--set`` overrides it, e.g. ``--set device=cpu``), the checkpoint is loaded into a trainer as a
 resume would load it (a LoRA checkpoint: the adapters onto the same base, checked by its fingerprint), and
 ``trainer.export(OUT, merge=...)`` writes (vlmfast.checkpoints.export): a LoRA run's adapter folder, or with
-``--merge`` the merged model; a Hugging Face model's ``save_pretrained`` folder; else ``model.safetensors``. A task
-that returns a dict with a ``processor`` has it saved next to the model.
+``--merge`` the merged model; a Hugging Face model's ``save_pretrained`` folder; else ``model.safetensors`` and
+``vlmfast_export.json`` (what rebuilds the model). A task that returns a dict with a ``processor`` has it saved next
+to the model. OUT is replaced as a whole, and only when it is new, empty or a previous export of the same kind
+(``--overwrite``: whatever it holds).
 
 Usage::
 
@@ -30,9 +32,11 @@ EXPORT_HELP = ("write a checkpoint's model as a Hugging Face folder: a LoRA run'
                "model), save_pretrained, or model.safetensors")
 
 # What the export changes in the checkpoint's spec (before --set): it writes no checkpoint, resumes nothing by
-# itself, exports only where it is told, logs nothing, and does not care whether the task's data is the run's.
+# itself, exports only where it is told, logs nothing, and does not care whether the task's data is the run's. Whole
+# sections are replaced, so whatever save.* or log.* the run had (save.every_steps, save.async, log.dir ...), any
+# checkpoint that resumes also exports.
 EXPORT_OVERRIDES: dict[str, Any] = {
-    "save.dir": None, "save.resume": "never", "save.export.dir": None, "save.accept_data_change": True,
+    "save": {"resume": "never", "accept_data_change": True},
     "log": {"progress": "off"},
 }
 
@@ -45,6 +49,8 @@ def add_export_command(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("out", help="the folder to write (created if missing)")
     parser.add_argument("--merge", action="store_true", help="a LoRA run: the merged model (adapters folded into the "
                         "base; loads with from_pretrained, no PEFT) instead of the adapter folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT whatever it holds (default: an OUT "
+                        "holding anything but a previous export of the same kind is refused)")
     parser.add_argument("--task", default=DEFAULT_TASK, help="module:function that builds the model the checkpoint "
                         "was trained on, as given to `vlmfast train --task`; default: the tiny VLM")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -91,6 +97,7 @@ def export_spec(saved: dict[str, Any], overrides: list[str]) -> Any:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from vlmfast.checkpoints.export import check_export_target, export_kind
     from vlmfast.checkpoints.save_dir import check_output_dir
     from vlmfast.checkpoints.store import load_checkpoint
     from vlmfast.cli.jobs import run_task
@@ -104,7 +111,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     spec = export_spec(state["spec"], args.set)
     job = run_task(args.task, spec.seed, args.samples)
     trainer = job.trainer(spec)
+    trainer.task = args.task  # recorded in a plain module's vlmfast_export.json
     try:
+        kind = export_kind(trainer.engine.module, args.merge, lora=spec.lora.enabled or None)
+        check_export_target(args.out, kind, args.overwrite, what="export OUT")  # before the checkpoint is loaded
         try:  # as a resume loads it (vlmfast.train.save_resume.resume_run), from the state read once
             trainer.check_resumable(state)
             trainer.engine.load_shards(folder if folder.is_dir() else folder.parent)
@@ -114,7 +124,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         except Exception as exc:
             raise SpecError(f"export: cannot load {folder} into the model --task {args.task} builds: "
                             f"{type(exc).__name__}: {exc}. Is it the task the checkpoint was trained with?") from exc
-        path = trainer.export(args.out, merge=args.merge, processor=job.processor)
+        path = trainer.export(args.out, merge=args.merge, processor=job.processor, overwrite=args.overwrite,
+                              what="export OUT")
     finally:
         getattr(trainer.loader, "close", lambda: None)()  # loader workers, the prefetch thread
     if trainer.is_main_process:

@@ -146,7 +146,9 @@ def _build_trainer(args: argparse.Namespace) -> tuple[Any, float | None]:
     spec = build_spec(args.config, args.set, builtin_task=args.task == DEFAULT_TASK)  # fails before any work
     job = run_task(args.task, spec.seed, args.samples)
     eval_data, baseline = _builtin_eval(spec.seed) if args.task == DEFAULT_TASK else (None, None)
-    return job.trainer(spec, eval_data), baseline
+    trainer = job.trainer(spec, eval_data)
+    trainer.task = args.task  # a plain module's export (save.export) records what built it
+    return trainer, baseline
 
 
 def _cmd_find_batch_size(args: argparse.Namespace) -> int:

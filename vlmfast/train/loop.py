@@ -95,8 +95,9 @@ class OptimizedTrainer:
         self._say: Callable[[str], None] = _to_stderr  # fit() routes it through its progress bar
 
         self.engine = build_engine(spec, self.device, self.world_size)
-        if spec.save.export.dir is not None and (refusal := self._export_refusal()):
-            raise SpecError(f"save.export.dir: {refusal}")  # now, not after the whole run
+        self.task: str | None = None  # the `--task` that built the model (the CLI sets it): a plain export records it
+        if spec.save.export.dir is not None:
+            self._check_export_dir(model)  # now, not after the whole run
         self.accumulation = GradientAccumulation(
             weighting=spec.loss.weighting, label_key=spec.loss.label_key, ignore_index=spec.loss.ignore_index,
             shift_labels=spec.loss.shift_labels, loss_fn=loss_fn)
@@ -568,20 +569,33 @@ class OptimizedTrainer:
         rng = state["rng"]
         set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)  # 0.1 saved rank 0's only
 
-    def export(self, directory: str | Path, merge: bool = False, processor: Any = None) -> Path | None:
+    def export(self, directory: str | Path, merge: bool = False, processor: Any = None, overwrite: bool = False,
+               what: str = "export folder") -> Path | None:
         """Write the trained model in a format the Hugging Face ecosystem loads
         (:func:`vlmfast.checkpoints.export.export_model`: a LoRA run's adapter folder, or with ``merge`` the merged
-        model; a Hugging Face model's save_pretrained folder; else model.safetensors), with ``processor`` next to
-        it. Rank 0 writes; returns the folder there.
+        model; a Hugging Face model's save_pretrained folder; else model.safetensors and vlmfast_export.json), with
+        ``processor`` next to it, through a private folder that then takes `directory`'s place. A `directory` holding
+        anything but a previous export of the same kind is refused unless ``overwrite``. Rank 0 writes; returns the
+        folder there; errors name the folder as `what`.
         Usage: ``trainer.fit(); trainer.export("out", processor=processor)``"""
         from vlmfast.checkpoints.export import export_model
 
         if refusal := self._export_refusal():
             raise ValueError(f"export: {refusal}")
-        path = export_model(self.engine.module, directory, merge=merge, processor=processor) \
-            if self.is_main_process else None
+        path = export_model(self.engine.module, directory, merge=merge, processor=processor, overwrite=overwrite,
+                            task=self.task, what=what) if self.is_main_process else None
         barrier()
         return path
+
+    def _check_export_dir(self, model: nn.Module) -> None:
+        """save.export.dir, when the trainer is built: an engine that can export, a folder it may write."""
+        from vlmfast.checkpoints.export import check_export_target, export_kind
+
+        if refusal := self._export_refusal():
+            raise SpecError(f"save.export.dir: {refusal}")
+        export = self.spec.save.export
+        kind = export_kind(model, export.merge, lora=self.spec.lora.enabled or None)
+        check_export_target(export.dir, kind, export.overwrite, what="save.export.dir")  # type: ignore[arg-type]
 
     def _export_refusal(self) -> str | None:
         """Why this trainer cannot export, or None."""
@@ -597,7 +611,7 @@ class OptimizedTrainer:
         export = self.spec.save.export
         if export.dir is None:
             return None
-        path = self.export(export.dir, merge=export.merge)
+        path = self.export(export.dir, merge=export.merge, overwrite=export.overwrite, what="save.export.dir")
         if path is not None:
             lora = is_peft_model(self.engine.module)
             what = ("the merged model" if export.merge else "the LoRA adapters") if lora else "the model"
