@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -329,13 +330,9 @@ class ExportSpec(Section):
     """The trained model exported at the end of a completed fit() (not an interrupted one): docs/lora.md#export."""
 
     dir: Path | None = Field(None, description="folder for the exported model (a LoRA run: PEFT's adapter folder; a "
-                             "Hugging Face model: save_pretrained; else model.safetensors and vlmfast_export.json, "
-                             "what rebuilds it); written into a private folder that then takes its place; no export "
-                             "when unset")
+                             "Hugging Face model: save_pretrained; else model.safetensors); no export when unset")
     merge: bool = Field(False, description="a LoRA run exports the merged model (adapters folded into the base: "
                         "from_pretrained without PEFT) instead of the adapter folder")
-    overwrite: bool = Field(False, description="replace dir whatever it holds; off: a dir holding anything but a "
-                            "previous export of the same kind is refused when the trainer is built")
 
 
 class SaveSpec(Section):
@@ -676,18 +673,29 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
                         "as UTF-8") from exc
     except OSError as exc:
         raise SpecError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text, object_pairs_hook=_unique_json_keys)
-        else:
-            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # a SafeLoader: no Python objects
-    except _DuplicateKeyError as exc:
-        raise SpecError(f"{path}: {exc}") from exc
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise SpecError(f"{path}: cannot parse: {exc}") from exc
+    data = parse_spec_text(text, str(path), json_syntax=path.suffix == ".json") or {}
     if not isinstance(data, dict):
         raise SpecError(f"{path}: the spec must be a mapping of field names to values")
     return data
+
+
+def parse_spec_text(text: str, where: str, json_syntax: bool = False) -> Any:
+    """YAML (or JSON) text of a spec or a ``--set`` value, parsed safely (no Python objects, no repeated keys);
+    every failure is a SpecError starting with `where` (the file, or the --set item).
+
+    Usage: ``parse_spec_text("{lr: 0.1}", "--set optimizer={lr: 0.1}")``
+    """
+    try:
+        if json_syntax:
+            return json.loads(text, object_pairs_hook=_unique_json_keys)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no Python objects
+    except _DuplicateKeyError as exc:
+        raise SpecError(f"{where}: {exc}") from exc
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise SpecError(f"{where}: cannot parse: {exc}") from exc
+    except RecursionError as exc:  # the parsers recurse once per level of nesting
+        raise SpecError(f"{where}: nested too deeply to read (more levels than Python's recursion limit, "
+                        f"{sys.getrecursionlimit()}); a spec is a few levels deep: check what wrote it") from exc
 
 
 class _DuplicateKeyError(ValueError):
@@ -706,12 +714,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             try:
-                first = seen.setdefault(key, line)
+                first = seen.get(key)
+                seen.setdefault(key, line)
             except TypeError:  # an unhashable key: the base constructor reports it
                 continue
-            if first != line:
-                raise _DuplicateKeyError(f"key '{key}' appears twice in one mapping (lines {first} and {line}); YAML "
-                                         "would keep only the last one and silently drop the other: merge them")
+            if first is not None:  # also on the same line: a flow mapping {lr: 0.1, lr: 0.0001}
+                lines = f"line {line}" if first == line else f"lines {first} and {line}"
+                raise _DuplicateKeyError(f"key '{key}' appears twice in one mapping ({lines}); YAML would keep only "
+                                         "the last one and silently drop the other: merge them")
         return super().construct_mapping(node, deep=deep)
 
 

@@ -213,3 +213,56 @@ def test_an_unreadable_checkpoint_given_as_resume_path_is_named(tmp_path, monkey
     with pytest.raises(SpecError, match=r"cannot resume from .*step_00000001: .*step_00000001/meta.json cannot be read "
                        r"\(Permission denied\)"):
         checkpoint.resume_path(str(tmp_path / "step_00000001"), None)
+
+
+class _ReadOnlyAfterFirstSave:
+    """Makes save.dir refuse new folders after its first checkpoint, as a folder made read-only mid-run does (EACCES
+    injected: root ignores permission bits, and a file system holding the run's lock cannot be remounted read-only)."""
+
+    def __init__(self, directory: Path, monkeypatch) -> None:
+        self.directory, self.monkeypatch = directory, monkeypatch
+
+    def on_save(self, trainer, path) -> None:
+        real_mkdir = Path.mkdir
+
+        def refused(path, *args, **kwargs):
+            if path.parent == self.directory:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_mkdir(path, *args, **kwargs)
+
+        self.monkeypatch.setattr(Path, "mkdir", refused)
+
+
+def test_a_save_dir_that_turns_read_only_mid_run_is_the_checkpoint_error_naming_save_dir(tmp_path, monkeypatch):
+    spec = make_spec(max_steps=6, save={"dir": str(tmp_path), "every_steps": 2})
+    with pytest.raises(CheckpointWriteError, match=rf"save.dir {tmp_path}: cannot write checkpoint step_00000004 "
+                       r"\(Permission denied\).*step_00000002 is intact"):
+        train(spec, callbacks=[_ReadOnlyAfterFirstSave(tmp_path, monkeypatch)])
+
+
+def test_a_folder_where_metrics_jsonl_goes_is_an_error_naming_it(tmp_path):
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(SpecError, match=rf"log.dir file {tmp_path / 'metrics.jsonl'} is a folder where vlmfast "
+                       "writes a file"):
+        train(make_spec(max_steps=2, log={"dir": str(tmp_path), "progress": "off"}))
+
+
+def test_a_full_vision_cache_disk_is_an_uncached_run_not_a_sigbus(tmp_path, caplog):
+    """A real 32 KiB file system under vision_cache.dir (the tiny VLM's features: 4.6 KiB per image): the store fills
+    after a few entries, the run goes on uncached with the losses of a run without the cache."""
+    from vlmfast import OptimizedTrainer, TrainSpec
+    from vlmfast.models import build_tiny_vlm_task
+
+    def fit(cache_dir):
+        model, dataset, collate = build_tiny_vlm_task(seed=0, num_samples=16)
+        spec = {"max_steps": 4, "batch_size": 8, "micro_batch_size": 4, "device": "cpu", "log": {"progress": "off"},
+                "optimizer": {"name": "sgd", "lr": 0.05, "freeze": ["vision_tower", "multi_modal_projector"]},
+                "vision_cache": {"enabled": cache_dir is not None, "dir": str(cache_dir)}}
+        return OptimizedTrainer(model, dataset, TrainSpec(**spec), collate_fn=collate).fit()
+
+    plain = fit(None)
+    with tiny_filesystem(tmp_path / "disk", "32k") as disk:
+        cached = fit(disk)
+    assert losses(cached) == pytest.approx(losses(plain), rel=1e-5)
+    assert any("No space left" in r.getMessage() and f"vision_cache.dir {disk}" in r.getMessage()
+               for r in caplog.records)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -113,3 +114,39 @@ def test_load_errors_name_the_file(tmp_path):
         _load(tmp_path, "batch_size: !!python/object/apply:os.system ['true']\n")
     with pytest.raises(SpecError, match=r"run.yaml: the spec must be a mapping"):
         _load(tmp_path, "- 1\n- 2\n")
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("optimizer: {lr: 0.1, lr: 0.0001}\n", "lr"),
+    ("save: {keep_last: 2, keep_last: 5}\n", "keep_last"),
+    ("{max_steps: 3, max_steps: 4}\n", "max_steps"),
+], ids=["optimizer", "save", "top level"])
+def test_a_key_repeated_on_one_line_is_refused(tmp_path, text, key):
+    with pytest.raises(SpecError, match=rf"run.yaml: key '{key}' appears twice in one mapping \(line 1\)"):
+        _load(tmp_path, text)
+
+
+@pytest.mark.parametrize("name", ["run.yaml", "run.json"])
+def test_nesting_deeper_than_python_can_read_is_one_error_line_naming_the_file(tmp_path, capsys, name):
+    from vlmfast.cli.main import main
+
+    path = tmp_path / name
+    path.write_text('{"seed": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    assert main(["spec", "--check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vlmfast: error: {path}: nested too deeply to read") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    ("seed=!!python/object/apply:os.system ['touch pwned']", r"cannot parse: .*python/object"),
+    ("optimizer={lr: 0.1, lr: 0.2}", r"key 'lr' appears twice in one mapping \(line 1\)"),
+    ("seed=" + "[" * 50_000, "nested too deeply"),
+], ids=["tag", "repeated key", "deep"])
+def test_a_bad_set_value_is_one_error_line_naming_the_set(tmp_path, capsys, monkeypatch, item, message):
+    from vlmfast.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--set", item]) == 2
+    err = capsys.readouterr().err
+    assert re.match(rf"(?s)vlmfast: error: --set .{re.escape(item[:20])}.*: {message}", err) and "Traceback" not in err
+    assert not (tmp_path / "pwned").exists()

@@ -79,7 +79,7 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with SaveDirLock(directory):
-        tmp = staged or _fresh_temp_dir(directory, step)
+        tmp = staged or _fresh_temp_dir(directory, step, needed=lambda: state_bytes(state))
         write = [(STATE_FILE, lambda f: torch.save(state, f)),
                  (META_FILE, lambda f: f.write(json.dumps({"step": step, "time": time.time(), **(meta or {})},
                                                           indent=2).encode()))]
@@ -160,10 +160,15 @@ def state_bytes(state: Any) -> int:
     return sum({s.data_ptr() or id(s): s.nbytes() for s in storages}.values())
 
 
-def _fresh_temp_dir(directory: Path, step: int) -> Path:
+def _fresh_temp_dir(directory: Path, step: int, needed: Callable[[], int] = lambda: 0) -> Path:
+    """This process's empty temporary folder for checkpoint `step`; a folder that became read-only (or full) since
+    the run started is a :class:`CheckpointWriteError` naming save.dir, not an OSError naming the temporary folder."""
     tmp = directory / temp_name("tmp", checkpoint_name(step))
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:
+        raise _write_error(directory, step, exc, needed) from exc
     return tmp
 
 
@@ -175,8 +180,7 @@ def staging_dir(directory: str | Path, step: int, world_size: int = 1) -> Path:
         torch.distributed.broadcast_object_list(name, src=0)
     staged = directory / name[0]
     if world_size == 1 or torch.distributed.get_rank() == 0:
-        shutil.rmtree(staged, ignore_errors=True)
-        staged.mkdir(parents=True)
+        staged = _fresh_temp_dir(directory, step)
     if world_size > 1:
         torch.distributed.barrier()
     return staged

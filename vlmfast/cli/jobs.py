@@ -19,8 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 __all__ = ["DEFAULT_TASK", "DEMO_SPEC", "DEMO_TASK_SPEC", "TaskJob", "add_job_arguments", "build_spec",
            "demo_spec_dict", "fields_changed_from_demo", "load_task", "run_task", "task_job"]
 
@@ -101,12 +99,13 @@ def build_spec(config: str | None, overrides: list[str], builtin_task: bool = Fa
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> None:
     """Apply ``--set KEY=VALUE`` items (dotted keys, YAML values) to a spec dict, in place."""
     from vlmfast.common.sections import SpecError
+    from vlmfast.spec import parse_spec_text
 
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
             raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. --set precision=bf16")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        _set_dotted(data, key.strip(), parse_spec_text(raw, f"--set {item!r}"))  # as safe as a spec file
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
