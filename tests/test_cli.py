@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from vlmfast.cli.jobs import build_spec, fields_changed_from_demo
@@ -77,6 +78,19 @@ def test_help_imports_neither_torch_nor_the_trainer():
             "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
             "        vlmfast.cli.main.main(argv)\n"
             "    assert 'usage: vlmfast' in out.getvalue(), argv")
+    assert _modules_loaded_after(code) == []
+
+
+def test_version_prints_the_package_version_without_importing_torch(capsys):
+    import vlmfast
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"vlmfast {vlmfast.__version__}\n"
+    code = ("import contextlib, io\nimport vlmfast.cli.main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+            "    vlmfast.cli.main.main(['--version'])\n"
+            "assert out.getvalue().startswith('vlmfast '), out.getvalue()")
     assert _modules_loaded_after(code) == []
 
 

@@ -14,6 +14,7 @@ Usage::
     vlmfast shards write images/ shards/ --max-count 1000   # a folder or JSONL -> WebDataset tar shards
     vlmfast bench --quick                  # vlmfast vs a hand-written loop, Accelerate, the HF Trainer, Fabric
     vlmfast export ckpt/step_00000600 out/ --merge   # a checkpoint's model (LoRA: adapters or merged) for HF
+    vlmfast --version
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from vlmfast import __version__
 from vlmfast.cli.jobs import (  # torch-free: argparse, yaml
     DEFAULT_TASK,
     DEMO_SPEC,
@@ -76,6 +78,7 @@ def _parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     (the others are listed by name and help, their modules not imported); without, every sub-command in full."""
     command = next((word for word in argv if not word.startswith("-")), None) if argv is not None else None
     parser = argparse.ArgumentParser(prog="vlmfast", description="Fast, OOM-proof VLM training.")
+    parser.add_argument("--version", action="version", version=f"vlmfast {__version__}")  # torch-free, as --help
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model (default: the built-in tiny VLM on generated data)")
