@@ -330,9 +330,13 @@ class ExportSpec(Section):
     """The trained model exported at the end of a completed fit() (not an interrupted one): docs/lora.md#export."""
 
     dir: Path | None = Field(None, description="folder for the exported model (a LoRA run: PEFT's adapter folder; a "
-                             "Hugging Face model: save_pretrained; else model.safetensors); no export when unset")
+                             "Hugging Face model: save_pretrained; else model.safetensors and vlmfast_export.json, "
+                             "what rebuilds it); written into a private folder that then takes its place; no export "
+                             "when unset")
     merge: bool = Field(False, description="a LoRA run exports the merged model (adapters folded into the base: "
                         "from_pretrained without PEFT) instead of the adapter folder")
+    overwrite: bool = Field(False, description="replace dir whatever it holds; off: a dir holding anything but a "
+                            "previous export of the same kind is refused when the trainer is built")
 
 
 class SaveSpec(Section):

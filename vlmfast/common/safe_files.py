@@ -11,6 +11,9 @@ or replace the file it points to, with the user's rights. So:
   destination;
 - :func:`library_output` gives a library that only takes a path (matplotlib, the torch profiler, numpy) a path in a
   fresh private folder (mode 0700, ours), then renames the result into place;
+- :func:`library_folder_output` does the same for a library that writes a whole folder (``save_pretrained``): the
+  fresh private folder takes the destination's place when it is complete (the previous folder moved aside, then
+  removed), so a link planted in the destination is never written through and no reader sees a mix;
 - :func:`refuse_symlink` checks a path handed to a library we cannot give a file object (TensorBoard, trackers).
 
 A refusal is an :class:`UnsafeOutputError` naming the path, where the link points and what to do. The configured
@@ -24,6 +27,8 @@ Usage::
     write_atomic(log_dir / "report.json", text)
     with library_output(log_dir / "plot.png") as tmp:
         fig.savefig(tmp)
+    with library_folder_output(export_dir) as tmp:
+        model.save_pretrained(tmp)
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ from typing import IO, Any
 
 from vlmfast.common.sections import SpecError
 
-__all__ = ["UnsafeOutputError", "ensure_dir", "library_output", "open_fd", "open_for_writing", "refuse_symlink",
-           "write_atomic"]
+__all__ = ["UnsafeOutputError", "ensure_dir", "library_folder_output", "library_output", "open_fd", "open_for_writing",
+           "refuse_symlink", "write_atomic"]
 
 _MODES = {"w": os.O_TRUNC, "a": os.O_APPEND, "x": os.O_EXCL}
 
@@ -172,3 +177,48 @@ def library_output(path: str | Path, what: str = "") -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def library_folder_output(path: str | Path, what: str = "") -> Iterator[Path]:
+    """A fresh private folder (mkdtemp: mode 0700) next to folder `path`, for a library that writes a whole folder by
+    name; when the block succeeds it takes `path`'s place (given the usual folder mode): a folder already there is
+    moved aside, the new one renamed in, the old one removed. A reader sees the old folder or the new one, never a
+    mix; a link planted in `path` is never written through (nothing is written into `path` itself); on an error
+    nothing changes at `path`. `path` itself may be a link the user made to a folder: its target is replaced."""
+    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield folder
+        os.chmod(folder, 0o777 & ~_umask())
+        _replace_folder(folder, path, what)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # gone already when it was published
+
+
+def _replace_folder(new: Path, path: Path, what: str) -> None:
+    """Rename folder `new` to `path`; a folder at `path` is moved aside first (a rename cannot replace a non-empty
+    folder), and put back if the second rename fails."""
+    if not os.path.lexists(path):
+        os.rename(new, path)
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise _refusal(path, what, "is not a folder")
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+    try:
+        os.rename(path, aside / path.name)
+        os.rename(new, path)
+    except BaseException:
+        if not os.path.lexists(path) and os.path.lexists(aside / path.name):
+            os.rename(aside / path.name, path)  # the old folder back where it was
+        with contextlib.suppress(OSError):
+            os.rmdir(aside)  # only when empty: never the old folder
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
