@@ -167,3 +167,38 @@ def test_a_corrupt_checkpoint_is_named_when_resuming(tmp_path, damage):
     (tmp_path / "step_00000004" / "manifest.json").unlink()  # as written by an older vlmfast: torch.load names it
     with pytest.raises(CorruptCheckpointError, match=r"step_00000004/state.pt cannot be read"):
         load_checkpoint(state.parent)
+
+
+SETUP_TASK = '''
+import os, signal
+from vlmfast.models import build_tiny_vlm_task
+
+def build():
+    """The tiny VLM whose first forward (the trainer constructor's convention probe) gets a real SIGINT."""
+    model, dataset, collate = build_tiny_vlm_task(seed=0, num_samples=16)
+    forward = model.forward
+
+    def interrupted_forward(*args, **kwargs):
+        model.forward = forward
+        os.kill(os.getpid(), signal.SIGINT)
+        return forward(*args, **kwargs)
+
+    model.forward = interrupted_forward
+    return model, dataset, collate
+'''
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_set_up_ends_like_ctrl_c_during_training(tmp_path):
+    """SIGINT delivered inside `OptimizedTrainer.__init__` (the first probe forward): exit 130, one "interrupted"
+    line, no traceback. Every set-up phase (probes, worker autotune, resume, fingerprint) runs under the same catch
+    in cli/main.py."""
+    (tmp_path / "setup_interrupt.py").write_text(SETUP_TASK)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("VLMFAST_TRACEBACK", None)
+    proc = subprocess.run([sys.executable, "-c", "import sys; from vlmfast.cli.main import main; sys.exit(main())",
+                           "train", "--task", "setup_interrupt:build", "--set", "max_steps=2", "--set",
+                           "log.progress=off", "--set", "device=cpu"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted" in proc.stderr and "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr

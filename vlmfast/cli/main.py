@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C outside fit()'s own guard (set-up: probes, autotune, resume, fingerprint)
+        if os.environ.get("VLMFAST_TRACEBACK"):
+            raise
+        print("vlmfast: interrupted (Ctrl-C); set VLMFAST_TRACEBACK=1 to see where", file=sys.stderr)
+        return 130
     except Exception as exc:  # a clear one-line error for every known bad input, no traceback
         from vlmfast.checkpoints.store import CheckpointError
         from vlmfast.spec import SpecError
