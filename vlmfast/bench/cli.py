@@ -5,12 +5,13 @@ Usage::
     vlmfast bench                              # CPU: size cpu, 40 steps x 5 rounds, all configurations + headroom
     vlmfast bench --quick                      # every configuration for 2 steps, once, no headroom (< 1 min)
     vlmfast bench --size gpu --repeats 3       # on a GPU: the ~150M-parameter model
-    vlmfast bench --size cpu-vlm --no-headroom # CPU: 21.7M parameters, 0-4 images, 16-1024 tokens; 2+8 steps
+    vlmfast bench --size cpu-vlm --no-headroom # CPU: 21.7M parameters, 0-4 images, 16-1024 tokens; 2+20 steps
     vlmfast bench --configs start,vlmfast,accelerate --repeats 9 --no-headroom
     vlmfast bench --render benchmarks/results/cpu/compare.json      # Markdown + charts again from the JSON
 
-Files (in --out, default benchmarks/results/<device>/): compare.json / .md, compare_throughput.png,
-compare_memory.png, headroom.json / .md / .png; a size other than the device's own adds _<size>, --quick adds _quick.
+Files (in --out, default benchmarks/results/<device>/; with --quick runs/bench-quick/<device>/, which git ignores):
+compare.json / .md, compare_throughput.png, compare_memory.png, headroom.json / .md / .png; a size other than the
+device's own adds _<size>, --quick adds _quick. --quick prints no target verdicts ("not measured: --quick").
 
     add_bench_command(subparsers)              # how vlmfast.cli.main registers it
 """
@@ -32,10 +33,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=["cpu", "cpu-vlm", "gpu"], default=None,
                         help="model, data and batch size (default: gpu on CUDA, else cpu); cpu-vlm: a 21.7M-parameter "
                         "VLM on 0-4 images and 16-1024 text tokens per sample, compute-bound on a CPU")
+    from vlmfast.bench.workload import SIZES  # the command runs it anyway: its help reads the sizes' own figures
+
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run (default: the "
-                        "size's, 40; cpu-vlm 8)")
+                        f"size's: {_per_size(SIZES, 'steps')})")
     parser.add_argument("--warmup", type=int, default=None, help="steps per run before timing starts (default: the "
-                        "size's, 5; cpu-vlm 2)")
+                        f"size's: {_per_size(SIZES, 'warmup')})")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all configurations (default 5)")
     parser.add_argument("--configs", default=None, help="comma-separated configuration names (default: all; "
                         "'start' is always added, every ratio is against it)")
@@ -44,16 +47,22 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the size's)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device>)")
+    parser.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<device>; --quick: "
+                        "runs/bench-quick/<device>, ignored by git)")
     parser.add_argument("--quick", action="store_true", help="every configuration for 2 steps, once, no headroom "
-                        "search (unless --headroom-only); results are named *_quick and prove only that everything "
-                        "runs")
+                        "search (unless --headroom-only); results are named *_quick, prove only that everything runs "
+                        "and judge no target")
     parser.add_argument("--no-headroom", action="store_true", help="skip the memory-headroom benchmark")
     parser.add_argument("--headroom-only", action="store_true", help="run only the memory-headroom benchmark")
     parser.add_argument("--docs", default=None, help="also write the tables into this Markdown file, between "
                         "<!-- vlmfast-bench:NAME --> and <!-- /vlmfast-bench:NAME --> (NAME: compare, headroom, ...)")
     parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
                         help="re-write the Markdown, charts and --docs sections from result JSONs, without running")
+
+
+def _per_size(sizes: dict[str, Any], field: str) -> str:
+    """'cpu 40, cpu-vlm 20, ...': one figure of every size, for the help."""
+    return ", ".join(f"{name} {getattr(size, field)}" for name, size in sizes.items())
 
 
 def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -95,7 +104,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.quick:
         args.steps, args.warmup, args.repeats = QUICK["steps"], QUICK["warmup"], QUICK["repeats"]
     _size_defaults(args, size)
-    out = Path(args.out) if args.out else Path("benchmarks") / "results" / device_dir(device)
+    out = Path(args.out) if args.out else _default_out(device_dir(device), args.quick)
     # compare.md / headroom.md for the device's own size: the names docs/benchmarks.md includes for every device.
     suffix = ("" if size == ("gpu" if device.type == "cuda" else "cpu") else f"_{size}") + ("_quick" * args.quick)
     written = []
@@ -110,6 +119,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.docs:
         _render([str(path) for path in written], args.docs, rewrite=False)
     return 0
+
+
+def _default_out(device: str, quick: bool) -> Path:
+    """benchmarks/results/<device> (the results the docs include); --quick: runs/bench-quick/<device>, a folder git
+    ignores (a smoke test's figures are not results, and must not litter the repository)."""
+    return Path("runs") / "bench-quick" / device if quick else Path("benchmarks") / "results" / device
 
 
 def _size_defaults(args: argparse.Namespace, size: str) -> None:

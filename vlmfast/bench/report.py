@@ -140,6 +140,9 @@ def comparison_markdown(result: dict[str, Any]) -> str:
             f"{s['padding_fraction']:.0%} | {s['final_train_loss']:.4f} | {_eval_loss(result, name)} | "
             f"{_quality(quality.get(name))} | {_adjusted(quality.get(name))} |")
     lines = [_header(result), "", *rows, "", _notes(result), "", _quality_notes(), "", "Targets:", ""]
+    if result.get("quick"):  # 2 steps, one round: too few to judge a ratio, only that every row runs
+        return "\n".join([*lines, "- not measured: --quick (2 steps, one round; it shows that every row runs, not how "
+                          "fast: run without --quick to judge the targets)"])
     for check in _checks(result):
         mark = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
         value = "n/a" if check["value"] is None else f"{check['value']:.3f}"
