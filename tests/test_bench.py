@@ -363,3 +363,49 @@ def test_quick_leaves_the_headroom_search_out_and_says_how_to_run_it(monkeypatch
     assert ran == ["compare", "headroom"]
     assert bench_cli.main(["--steps", "1", "--configs", "start", "--out", str(tmp_path)]) == 0
     assert ran == ["compare", "headroom", "compare", "headroom"]
+
+
+# ---- the gpu-1b size: a Hugging Face LLaVA at 1.4B parameters; trained here at toy scale only ---------------------
+def test_gpu_1b_is_a_1_4b_llava_whose_batch_fills_80_gb_by_the_estimator():
+    from transformers import LlavaForConditionalGeneration
+
+    from vlmfast.bench.hf_vlm import fill_batch_size, llava_config
+    from vlmfast.memory.known_models import estimate_from_hf_config
+
+    config = llava_config("gpu-1b")
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    assert 1.0e9 < sum(p.numel() for p in model.parameters()) < 2.0e9
+    longest = 576 + 1448
+    batch, gib = fill_batch_size(config, longest)
+    assert batch >= 2 and gib <= 0.9 * 80
+    over = estimate_from_hf_config(config, micro_batch_size=batch + 1, seq_len=longest, gpu_memory_gb=80)
+    assert not over.fits(80)  # one more sample would not fit: the batch fills the card
+    fp32, _ = fill_batch_size(config, longest, precision="fp32", attention="eager")
+    assert 1 <= fp32 < batch  # the starting point accumulates micro-batches of this size
+
+
+def test_gpu_1b_dry_run_trains_every_row_on_a_toy_llava_with_the_models_own_flops(tmp_path):
+    from vlmfast.bench.hf_vlm import ProcessorCollator
+    from vlmfast.profiling import analytic_flops
+
+    torch.set_num_threads(1)
+    assert main(["--size", "gpu-1b", "--dry-run", "--no-headroom", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "compare_gpu-1b_quick.json").read_text())
+    assert [c["name"] for c in written["configs"]] == list(SIZES["gpu-1b"].configs) and not written["skipped"]
+    work = written["workload"]
+    assert "LlavaForConditionalGeneration" in work["model"] and work["config"]["model_type"] == "llava"
+    totals = {s["samples_total"] for s in written["summary"].values()}
+    assert totals == {work["samples_per_run"]} and all(s["tflops"] > 0 for s in written["summary"].values())
+    # the processor's layout: the image's tokens in input_ids (not in labels), CLIP-normalised pixels per image
+    workload = build_workload("gpu-1b", toy=True, steps=1, warmup=0)
+    assert isinstance(workload.collate, ProcessorCollator)
+    samples = [workload.dataset[i] for i in range(2)]
+    batch = workload.collate(samples)
+    image = batch["input_ids"] == workload.config.image_token_index
+    assert image.sum(-1).tolist() == [workload.image_tokens] * 2 and (batch["labels"][image] == -100).all()
+    assert batch["pixel_values"].shape == (2, 3, 28, 28) and batch["pixel_values"].min() < 0
+    # FLOPs: the Hugging Face model's analytic count (its towers, each sample's own length), not the tiny VLM's
+    model = workload.build_model("sdpa")
+    expected = sum(analytic_flops(model, workload.collate([sample])) for sample in samples)
+    assert float(workload.batch_stats(batch)["flops"]) == pytest.approx(expected, rel=1e-9)

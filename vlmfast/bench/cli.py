@@ -6,6 +6,7 @@ Usage::
     vlmfast bench --quick                      # every configuration for 2 steps, once, no headroom (< 1 min)
     vlmfast bench --size gpu --repeats 3       # on a GPU: the ~150M-parameter model
     vlmfast bench --size cpu-vlm --no-headroom # CPU: 21.7M parameters, 0-4 images, 16-1024 tokens; 2+20 steps
+    vlmfast bench --size gpu-1b                # GPU: 1.4B LLaVA, start and each tool's best; --dry-run: toy, CPU
     vlmfast bench --configs start,vlmfast,accelerate --repeats 9 --no-headroom
     vlmfast bench --render benchmarks/results/cpu/compare.json      # Markdown + charts again from the JSON
 
@@ -30,9 +31,11 @@ QUICK = {"steps": 2, "warmup": 1, "repeats": 1}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", choices=["cpu", "cpu-vlm", "gpu"], default=None,
+    parser.add_argument("--size", choices=["cpu", "cpu-vlm", "gpu", "gpu-1b"], default=None,
                         help="model, data and batch size (default: gpu on CUDA, else cpu); cpu-vlm: a 21.7M-parameter "
-                        "VLM on 0-4 images and 16-1024 text tokens per sample, compute-bound on a CPU")
+                        "VLM on 0-4 images and 16-1024 text tokens per sample, compute-bound on a CPU; gpu-1b: a "
+                        "1.4B-parameter Hugging Face LLaVA (random weights), 1,000-2,024 tokens per sample, the batch "
+                        "that fills 80 GB by vlmfast's estimator; rows: start and each tool's best")
     from vlmfast.bench.workload import SIZES  # the command runs it anyway: its help reads the sizes' own figures
 
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run (default: the "
@@ -52,6 +55,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="every configuration for 2 steps, once, no headroom "
                         "search (unless --headroom-only); results are named *_quick, prove only that everything runs "
                         "and judge no target")
+    parser.add_argument("--dry-run", action="store_true", help="--quick on the size's model classes at a toy scale "
+                        "(gpu-1b: the same LLaVA classes, tiny dimensions): every row runs in seconds on a CPU")
     parser.add_argument("--no-headroom", action="store_true", help="skip the memory-headroom benchmark")
     parser.add_argument("--headroom-only", action="store_true", help="run only the memory-headroom benchmark")
     parser.add_argument("--docs", default=None, help="also write the tables into this Markdown file, between "
@@ -95,12 +100,14 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from vlmfast.bench.report import device_dir
+    from vlmfast.bench.workload import SIZES
     from vlmfast.common.utils import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     size = args.size or ("gpu" if device.type == "cuda" else "cpu")
+    args.quick = args.quick or args.dry_run
     if args.quick:
         args.steps, args.warmup, args.repeats = QUICK["steps"], QUICK["warmup"], QUICK["repeats"]
     _size_defaults(args, size)
@@ -114,6 +121,9 @@ def run_bench(args: argparse.Namespace) -> int:
         # The smoke test stays under a minute on 2 cores: the headroom search alone takes ~40 s there.
         print("vlmfast bench --quick: memory headroom left out (~40 s more on 2 cores); "
               "`vlmfast bench --quick --headroom-only` runs it", flush=True)
+    elif not args.no_headroom and SIZES[size].data == "processor":
+        print(f"vlmfast bench: no memory-headroom search at {size}: its batch is the estimator's fill of 80 GB "
+              "already (workload.memory in the JSON)", flush=True)
     elif not args.no_headroom:
         written.append(_headroom(args, device, size, out / f"headroom{suffix}"))
     if args.docs:
@@ -139,13 +149,15 @@ def _compare(args: argparse.Namespace, device: Any, size: str, path: Path) -> Pa
     from vlmfast.bench.configs import BEST_REASONS, START, build_configs
     from vlmfast.bench.harness import run_comparison
     from vlmfast.bench.report import comparison_markdown, environment, write_results
-    from vlmfast.bench.workload import build_workload
+    from vlmfast.bench.workload import SIZES, build_workload
 
-    workload = build_workload(size, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size)
+    workload = build_workload(size, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+                              toy=_toy(args, size))
     without = [name for name in args.without.split(",") if name]
     configs = build_configs(device.type, without, quick=args.quick, size=size)
-    if args.configs:
-        wanted = {START, *args.configs.split(",")}
+    rows = args.configs or ",".join(SIZES[size].configs or ())
+    if rows:
+        wanted = {START, *rows.split(",")}
         unknown = wanted - {c.name for c in configs}
         if unknown:
             raise ValueError(f"unknown configuration(s) {sorted(unknown)}; choose from {[c.name for c in configs]}")
@@ -159,6 +171,13 @@ def _compare(args: argparse.Namespace, device: Any, size: str, path: Path) -> Pa
     paths = write_results(result, path.parent, path.name)
     print(comparison_markdown(result), f"\nwritten: {', '.join(str(p) for p in paths.values())}", sep="\n")
     return paths["json"]
+
+
+def _toy(args: argparse.Namespace, size: str) -> bool:
+    """--dry-run builds the toy scale of a size that has one (gpu-1b); the other sizes are small already."""
+    from vlmfast.bench.workload import SIZES
+
+    return bool(getattr(args, "dry_run", False)) and SIZES[size].data == "processor"
 
 
 def _headroom(args: argparse.Namespace, device: Any, size: str, path: Path) -> Path:

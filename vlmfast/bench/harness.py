@@ -58,6 +58,9 @@ MUST_SHOW: list[tuple[str, str, str, str, str, float, tuple[str, ...]]] = [
     ("vlmfast-best vs HF Trainer at equal settings (samples/s)", "vlmfast-best", "hf-trainer", "throughput", ">=",
      1.0, ("cpu",)),
     ("vlmfast-best vs HF Trainer best (samples/s)", "vlmfast-best", "hf-best", "throughput", ">=", 1.15, ("cuda",)),
+    ("vlmfast-best vs Accelerate best (samples/s)", "vlmfast-best", "accelerate-best", "throughput", ">=", 1.15,
+     ("cuda",)),
+    ("vlmfast-best vs Fabric best (samples/s)", "vlmfast-best", "fabric-best", "throughput", ">=", 1.15, ("cuda",)),
 ]
 
 

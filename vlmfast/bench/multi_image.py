@@ -2,11 +2,12 @@
 
 Real VLM fine-tuning data mixes text-only samples with multi-image ones and short answers with long documents; the
 one-image, 7-57-token captions of the ``cpu`` size have neither. Sample ``i`` (a pure function of ``(seed, i)``) holds
-``n`` images (uniform in ``0..max_images``) and a text of ``L`` tokens, ``L`` log-normal (median ``median_text``,
-sigma ``sigma``) clipped to ``[min_text, max_text]``: bos, the captions of its ``n`` scenes, then captions of further
-scenes that have no image (learnable only as language) joined by "and", cut to ``L - 1`` tokens, eos. Each image is
-``image_tokens`` placeholder ids (``IMAGE_PLACEHOLDER_ID``) before the text, in the sample's ``input_ids``: the
-layout the tiny VLM reads from ``position_ids`` and ``images_per_row`` (see :class:`MultiImageCollator`).
+``n`` images (uniform in ``min_images..max_images``) and a text of ``L`` tokens, ``L`` log-normal (median
+``median_text``, sigma ``sigma``) clipped to ``[min_text, max_text]``: bos, the captions of its ``n`` scenes, then
+captions of further scenes that have no image (learnable only as language) joined by "and", cut to ``L - 1`` tokens,
+eos. Each image is ``image_tokens`` placeholder ids (``IMAGE_PLACEHOLDER_ID``) before the text, in the sample's
+``input_ids``: the layout the tiny VLM reads from ``position_ids`` and ``images_per_row`` (see
+:class:`MultiImageCollator`).
 
 Usage::
 
@@ -39,7 +40,7 @@ class MultiImageShapesDataset(Dataset[dict[str, Any]]):
     Usage: ``MultiImageShapesDataset(256, seed=0, max_images=4)[3]`` (see the module docstring)
     """
 
-    def __init__(self, num_samples: int, seed: int = 0, *, max_images: int = 4, min_text: int = 16,
+    def __init__(self, num_samples: int, seed: int = 0, *, max_images: int = 4, min_images: int = 0, min_text: int = 16,
                  max_text: int = 1024, median_text: float = 64.0, sigma: float = 1.1, max_objects: int = 8,
                  image_tokens: int = 9) -> None:
         if not 2 <= min_text <= median_text <= max_text:
@@ -48,6 +49,7 @@ class MultiImageShapesDataset(Dataset[dict[str, Any]]):
         self.num_samples = num_samples
         self.seed = seed
         self.max_images = max_images
+        self.min_images = min_images
         self.min_text, self.max_text, self.median_text, self.sigma = min_text, max_text, median_text, sigma
         self.max_objects = max_objects
         self.image_tokens = image_tokens
@@ -61,7 +63,7 @@ class MultiImageShapesDataset(Dataset[dict[str, Any]]):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")
         rng = random.Random(self.seed * 1_000_003 + index)
-        images = rng.randint(0, self.max_images)
+        images = rng.randint(self.min_images, self.max_images)
         length = round(rng.lognormvariate(math.log(self.median_text), self.sigma))
         length = min(self.max_text, max(self.min_text, length))
         scenes: list[Scene] = []

@@ -226,16 +226,37 @@ def hand_written(workload: Workload, settings: Settings, device: torch.device) -
         optimizer = _fused_adamw(model, workload, device)
         blocks = compile_blocks(model, settings)
         recorder.start()
+        micro = workload.fp32_micro_batch_size if settings.precision == "fp32" else None
         for batch in _loader(workload, settings, device):
             recorder.batch(batch)
             batch = move_to_device(batch, device)
-            with autocast_context(settings.precision, device):
-                loss = model(**batch).loss
-            loss.backward()
+            loss = _accumulated_backward(model, batch, micro, settings.precision, device)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             recorder.step(loss.item())  # the user's logging; also where a CUDA loop waits for the device
     return recorder.result(model, memory, **({"compiled_blocks": blocks} if blocks else {}))
+
+
+def _accumulated_backward(model: nn.Module, batch: dict[str, Tensor], micro: int | None, precision: str,
+                          device: torch.device) -> Tensor:
+    """``model(**batch).loss.backward()``; with ``micro``, what a user writes when the batch does not fit: rows in
+    chunks of ``micro`` (one image per row: gpu-1b's processor batches), each loss weighted by its share of the
+    batch's label tokens so the gradient is the whole batch's. Returns the batch's loss (detached when split)."""
+    rows = batch["input_ids"].shape[0]
+    if micro is None or micro >= rows:
+        with autocast_context(precision, device):
+            loss = model(**batch).loss
+        loss.backward()
+        return loss
+    total = (batch["labels"][:, 1:] != -100).sum()
+    summed = torch.zeros((), device=device)
+    for start in range(0, rows, micro):
+        part = {key: value[start:start + micro] for key, value in batch.items()}
+        with autocast_context(precision, device):
+            loss = model(**part).loss * ((part["labels"][:, 1:] != -100).sum() / total)
+        loss.backward()
+        summed += loss.detach()
+    return summed
 
 
 def vlmfast_run(workload: Workload, settings: Settings, device: torch.device) -> RunResult:

@@ -23,7 +23,7 @@ Usage::
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +64,14 @@ class BenchSize:
     max_objects: int = 8
     eval_samples: int = 64
     # "captions": one image and its caption per sample (ShapesCaptionDataset, VLMCollator); "multi-image": 0-4
-    # images and 16-1024 text tokens, long-tailed (vlmfast.bench.multi_image), image placeholders in input_ids.
+    # images and 16-1024 text tokens, long-tailed (vlmfast.bench.multi_image), image placeholders in input_ids;
+    # "processor": a Hugging Face model (vlmfast.bench.hf_vlm), one image and a long text per sample, collated as
+    # its processor would (ProcessorCollator); batch_size 0: the batch that fills an 80 GB GPU by the estimator.
     data: str = "captions"
     steps: int = 40  # `vlmfast bench` defaults for --steps / --warmup
     warmup: int = 5
     pack_tokens: int | None = None  # packing's row budget; None: the device type's (configs.PACK_TOKENS)
+    configs: tuple[str, ...] | None = None  # the rows `vlmfast bench` runs by default (None: all)
 
 
 SIZES: dict[str, BenchSize] = {
@@ -80,6 +83,11 @@ SIZES: dict[str, BenchSize] = {
     "cpu-vlm": BenchSize(model="vlm20m", batch_size=4, lr=3e-4, eval_samples=32, data="multi-image", steps=20,
                          warmup=2, pack_tokens=1024 + 4 * 9),
     "gpu": BenchSize(model="base", batch_size=32, lr=3e-4),
+    # 1.4B-parameter LLaVA (CLIP ViT-L/14-336 + TinyLlama-1.1B shapes), 1,000-2,024 tokens per sample, bf16 on a GPU.
+    # Rows: the starting point and each tool's best (an equal-settings row at fp32 would not fit the batch).
+    "gpu-1b": BenchSize(model="gpu-1b", batch_size=0, lr=1e-4, eval_samples=16, data="processor", steps=30,
+                        warmup=3, pack_tokens=2048,
+                        configs=("start", "vlmfast-best", "accelerate-best", "hf-best", "fabric-best")),
 }
 
 
@@ -126,10 +134,16 @@ class Workload:
     init_state: dict[str, Tensor]
     # (a, b, c, v): FLOPs of a sample of n real tokens and m images = c + v*m + a*n + b*n^2
     flops_coefficients: tuple[float, float, float, float] = field(default=(0.0, 0.0, 0.0, 0.0))
+    # the largest micro-batch the starting point (fp32, eager) fits where the batch does not (gpu-1b): its loop
+    # accumulates; None: the whole batch fits
+    fp32_micro_batch_size: int | None = None
+    memory: dict[str, Any] = field(default_factory=dict)  # how the batch was sized (gpu-1b: the estimator's figures)
 
     @property
     def total_steps(self) -> int:
         return self.warmup + self.steps
+
+    model_name = "built-in tiny VLM"
 
     @property
     def image_tokens(self) -> int:
@@ -156,12 +170,12 @@ class Workload:
 
     def batch_stats(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
         """Samples, real tokens, token slots and model FLOPs of a padded or packed batch, as lazy tensors."""
-        n = _document_lengths(batch, self.image_tokens).double()  # zeros for empty slots: they add nothing
+        n = _document_lengths(batch, self.prepended_tokens).double()  # zeros for empty slots: they add nothing
         a, b, c, v = self.flops_coefficients
         samples = (n > 0).sum()
         # Per-row image layouts count their images; otherwise one image per sample (the padded caption batch).
         images = batch["images_per_row"].sum() if "images_per_row" in batch else samples
-        slots = batch["input_ids"].numel() + (0 if "position_ids" in batch else self.image_tokens * n.numel())
+        slots = batch["input_ids"].numel() + (0 if "position_ids" in batch else self.prepended_tokens * n.numel())
         return {"samples": samples, "tokens": n.sum(), "slots": torch.tensor(slots),
                 "flops": c * samples + v * images + a * n.sum() + b * (n * n).sum()}
 
@@ -169,7 +183,9 @@ class Workload:
         lengths = torch.tensor(self.dataset.lengths, dtype=torch.float64) + self.prepended_tokens
         images = torch.tensor(self.dataset.images_per_sample(), dtype=torch.float64)
         return {
-            "size": self.size, "parameters": self.num_parameters, "config": vars(self.config),
+            "size": self.size, "model": self.model_name, "parameters": self.num_parameters,
+            "config": self.config.to_dict() if hasattr(self.config, "to_dict") else vars(self.config),
+            "fp32_micro_batch_size": self.fp32_micro_batch_size, "memory": self.memory,
             "data": SIZES[self.size].data if self.size in SIZES else None,
             "batch_size": self.batch_size, "steps": self.steps, "warmup_steps": self.warmup, "lr": self.lr,
             "samples_per_run": len(self.dataset), "real_tokens_per_run": int(lengths.sum()),
@@ -193,13 +209,18 @@ def _document_lengths(batch: Mapping[str, Any], image_tokens: int) -> Tensor:
     return torch.bincount(flat, weights=real, minlength=rows * (width + 1))
 
 
-def _flops_coefficients(model: TinyVLM, image_tokens: int) -> tuple[float, float, float, float]:
+def _flops_coefficients(model: nn.Module, image_tokens: int,
+                        sample_batch: Callable[[int], dict[str, Tensor]] | None = None
+                        ) -> tuple[float, float, float, float]:
     """(a, b, c, v) with FLOPs of one sample of n tokens and m images = c + v*m + a*n + b*n^2, fitted exactly to the
-    analytic formula (v: the vision tower and projector on one image)."""
-    def sample_batch(text_tokens: int) -> dict[str, Tensor]:
+    analytic formula (v: the vision tower and projector on one image). ``sample_batch(text_tokens)``: a one-sample
+    batch with one image and that many text tokens (default: the tiny VLM's, its image tokens prepended)."""
+    def tiny_vlm_batch(text_tokens: int) -> dict[str, Tensor]:
         ids = torch.ones(1, text_tokens, dtype=torch.long)
         size = model.config.image_size
         return {"input_ids": ids, "attention_mask": ids, "pixel_values": torch.zeros(1, 3, size, size)}
+
+    sample_batch = sample_batch or tiny_vlm_batch
 
     xs = [image_tokens + t for t in (4, 8, 16)]
     ys = [analytic_flops(model, sample_batch(x - image_tokens)) for x in xs]
@@ -210,15 +231,21 @@ def _flops_coefficients(model: TinyVLM, image_tokens: int) -> tuple[float, float
 
 
 def build_workload(size: str = "cpu", steps: int | None = None, warmup: int | None = None, seed: int = 0,
-                   batch_size: int | None = None) -> Workload:
+                   batch_size: int | None = None, toy: bool = False) -> Workload:
     """The shared model init, data order and held-out batches for a size in :data:`SIZES` (steps and warm-up steps:
-    the size's defaults unless given).
+    the size's defaults unless given; ``toy``: the same classes at a tiny scale, for a dry run on a CPU: gpu-1b).
 
     Usage: ``workload = build_workload("cpu", steps=40, warmup=5)``
     """
     if size not in SIZES:
         raise ValueError(f"unknown benchmark size '{size}': choose from {sorted(SIZES)}")
     bench = SIZES[size]
+    if bench.data == "processor":
+        from vlmfast.bench.hf_vlm import build_hf_workload
+
+        return build_hf_workload(size, steps=steps, warmup=warmup, seed=seed, batch_size=batch_size, toy=toy)
+    if toy:
+        raise ValueError(f"benchmark size '{size}' has no toy scale (gpu-1b has): it is small already")
     steps = bench.steps if steps is None else steps
     warmup = bench.warmup if warmup is None else warmup
     batch = batch_size or bench.batch_size
