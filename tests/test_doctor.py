@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,6 +207,26 @@ def test_doctor_command_line(tmp_path, capsys) -> None:
     assert json.loads((tmp_path / "d.json").read_text())["findings"][0]["key"] == "data_loading"
     assert json.loads(next((out / "profiler").glob("trace_steps_*.json")).read_text())["traceEvents"]
     assert (out / "step_time_breakdown.png").is_file()
+
+
+def tiny_job() -> tuple[nn.Module, torch.utils.data.Dataset, None]:
+    torch.manual_seed(0)
+    return TinyCausalLM(), TokenDataset(32), None
+
+
+def test_doctor_keeps_the_profilers_own_log_off_stderr(tmp_path) -> None:
+    """kineto, torch.profiler's C++ side, prints "USDT: ... SyncActivityProfilerHandler.cpp:52] profiler_start" and
+    profiler_stop on the process's stderr (not through sys.stderr) unless KINETO_LOG_LEVEL says otherwise, read when
+    a process first profiles: so a fresh process, as a user's, its stderr read whole."""
+    env = {key: value for key, value in os.environ.items() if key != "KINETO_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    out = tmp_path / "doctor"
+    proc = subprocess.run([sys.executable, "-m", "vlmfast.cli.main", "doctor", "--task", "test_doctor:tiny_job",
+                           "--steps", "5", "--set", "batch_size=4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"}, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert list((out / "profiler").glob("trace_steps_*.json"))  # the profiler did run
+    assert "USDT" not in proc.stderr and "SyncActivityProfilerHandler" not in proc.stderr, proc.stderr
 
 
 def test_speed_up_is_in_tokens_per_second_when_a_change_puts_more_tokens_in_a_step() -> None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlmfast.common.utils import quiet_profiler_log
+
 __all__ = ["KernelTrace", "trace_attention_kernels"]
 
 # Profiler op name fragment -> kernel name; forward ops only (backward ops are skipped by name).
@@ -52,6 +54,7 @@ def trace_attention_kernels() -> Iterator[KernelTrace]:
     """Profile the block (CPU op events, plus CUDA when present) and count the attention kernels that ran."""
     trace = KernelTrace()
     activities = [torch.profiler.ProfilerActivity.CPU]
+    quiet_profiler_log()
     with torch.profiler.profile(activities=activities) as profiler:
         yield trace
     for event in profiler.events():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import threading
 from collections.abc import Iterator
@@ -80,3 +81,17 @@ def notice_if_slow(message: str, after_s: float = 10.0, logger: logging.Logger |
         yield
     finally:
         done.set()
+
+
+# torch.profiler's C++ side (kineto) prints "USDT: ... SyncActivityProfilerHandler.cpp:52] profiler_start" (and
+# profiler_stop) on stderr each time a profiler starts and stops; those lines are its level 5, and it reads
+# KINETO_LOG_LEVEL once, when this process first uses a profiler. Level 6 keeps all of its log off the terminal.
+KINETO_QUIET_LEVEL = "6"
+
+
+def quiet_profiler_log() -> None:
+    """Keep kineto's log lines off stderr, unless the user set KINETO_LOG_LEVEL: call it before any profiler starts.
+
+    Usage: ``quiet_profiler_log(); with torch.profiler.profile(...): ...``
+    """
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)

@@ -32,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from vlmfast.common.safe_files import ensure_dir, library_output, open_for_writing, write_atomic
+from vlmfast.common.utils import quiet_profiler_log
 from vlmfast.spec import TraceSpec
 
 __all__ = ["StepProfiler", "nvtx_range", "top_operators"]
@@ -110,6 +111,7 @@ class StepProfiler:
         else:  # log.dir/profiler: ours, so never a link
             ensure_dir(self.dir, "profiler folder")
         self._window = (self.spec.start_step, self.spec.start_step + self.spec.active_steps - 1)
+        quiet_profiler_log()  # no "USDT: ... profiler_start" lines on the user's terminal
         self._profiler = profile(
             activities=activities,
             schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
