@@ -127,3 +127,46 @@ def test_memmap_bad_input_is_refused_and_loses_no_data(tmp_path: Path):
         MemmapTokenDataset(tmp_path / "train")
     with pytest.raises(FileNotFoundError, match="write_token_sequences"):
         MemmapTokenDataset(tmp_path / "missing")
+
+
+# ---- degenerate batches and errors inside the model ---------------------------------------------------------------
+def test_a_collate_that_returns_zero_rows_is_an_error_naming_the_micro_batch():
+    from torch.utils.data import default_collate
+
+    from vlmfast.models.conventions import EmptyBatchError, probe_label_conventions
+
+    def no_rows(samples):
+        return {key: value[:0] for key, value in default_collate(samples).items()}
+
+    with pytest.raises(EmptyBatchError, match=r"micro-batch 1 of 4 of this optimizer batch has zero rows \(input_ids "
+                       r"\(0, \d+\).*the collate_fn returned no row"):
+        train(make_spec(max_steps=2), collate_fn=no_rows)
+    with pytest.raises(EmptyBatchError, match="the label probe's micro-batch has zero rows"):
+        probe_label_conventions(TinyCausalLM(), no_rows([TokenDataset(4)[i] for i in range(2)]))
+
+
+class _ReshapesWrongly(TinyCausalLM):
+    loss_shifts_labels = None  # undeclared: the probe's verdict is the error
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        if labels is not None:
+            self._merge_rows(labels)
+        return super().forward(input_ids, labels=labels, **kwargs)
+
+    @staticmethod
+    def _merge_rows(labels):
+        return labels.view(4, 51)  # as Qwen2.5-Omni's thinker on chunked cross-entropy's inputs: the wrong size
+
+
+def test_an_error_inside_the_model_during_the_label_probe_keeps_its_frame():
+    """The label-convention verdict is a LabelConventionError chained to the model's own exception, so
+    VLMFAST_TRACEBACK=1 (which prints the chain) shows the frame inside the model."""
+    import traceback
+
+    from vlmfast.models.conventions import LabelConventionError
+
+    with pytest.raises(LabelConventionError, match=r"the probe forward raised RuntimeError: shape '\[4, 51\]'") as info:
+        train(make_spec(max_steps=2), model=_ReshapesWrongly())
+    assert isinstance(info.value.__cause__, RuntimeError)
+    printed = "".join(traceback.format_exception(info.value))
+    assert "in _merge_rows" in printed and "labels.view(4, 51)" in printed

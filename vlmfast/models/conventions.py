@@ -34,14 +34,36 @@ import torch
 from accelerate.utils import send_to_device
 from torch import nn
 
-__all__ = ["LabelConventionError", "LabelConventions", "forget", "probe_label_conventions", "synthetic_probe_batch",
-           "unwrap_model"]
+__all__ = ["EmptyBatchError", "LabelConventionError", "LabelConventions", "forget", "probe_label_conventions",
+           "refuse_empty", "synthetic_probe_batch", "unwrap_model"]
 
 _CACHE: weakref.WeakKeyDictionary[nn.Module, LabelConventions] = weakref.WeakKeyDictionary()
 
 
 class LabelConventionError(ValueError):
     """The probe could not tell how the model treats its labels; the message asks for ``loss.shift_labels``."""
+
+
+class EmptyBatchError(ValueError):
+    """A collated micro-batch with zero rows (a collate_fn that dropped every sample)."""
+
+
+def refuse_empty(batch: Any, where: str) -> None:
+    """Raise :class:`EmptyBatchError` naming `where` when a collated dict batch holds zero rows (its text keys, else
+    its first tensor, have length 0 in dim 0), before a model or a probe indexes row 0 of it."""
+    from vlmfast.data.batch import batch_size_of
+
+    if not isinstance(batch, Mapping):
+        return
+    try:
+        rows = batch_size_of(batch)
+    except (TypeError, IndexError):  # no tensor at all: not a row layout this check knows
+        return
+    if rows == 0:
+        shapes = ", ".join(f"{key} {tuple(value.shape)}" for key, value in batch.items()
+                           if isinstance(value, torch.Tensor))
+        raise EmptyBatchError(f"{where} has zero rows ({shapes}): the collate_fn returned no row for its samples; "
+                              "it must return one row (or more) per sample (drop bad samples in the dataset instead)")
 
 
 @dataclass(frozen=True)
@@ -115,6 +137,7 @@ def _first_sample(batch: Any, label_key: str, model: nn.Module) -> dict[str, Any
     if not isinstance(batch, Mapping):
         raise LabelConventionError(f"the label probe needs a dict batch with '{label_key}', got a "
                                    f"{type(batch).__name__}: set loss.shift_labels (yes or no) in the spec")
+    refuse_empty(batch, "the label probe's micro-batch")
     try:
         rows = split_collated(batch, 1, BatchLayout.from_model(model))
     except BatchSplitError:
@@ -204,7 +227,7 @@ def _probe_shift(run: _Runner, sample: dict[str, Any], label_key: str, ignore_in
 
         if is_oom_error(exc) or isinstance(exc, NoLossError):  # the OOM fallback's business / no loss at all:
             raise  # loss.shift_labels would not help, a loss_fn would (the message says so)
-        return _declared_or_ask(model, f"the probe forward raised {type(exc).__name__}: {exc}")
+        return _declared_or_ask(model, f"the probe forward raised {type(exc).__name__}: {exc}", cause=exc)
     reads_labels = not _same(loss_last, loss_none)
     if reads_labels and _same(loss_first, loss_none):
         return True, "measured"
@@ -223,13 +246,15 @@ def _a_valid_target(labels: torch.Tensor, sample: dict[str, Any], ignore_index: 
     return int(ids.flatten()[0]) if isinstance(ids, torch.Tensor) and ids.numel() else 0
 
 
-def _declared_or_ask(model: nn.Module, why: str) -> tuple[bool, str]:
+def _declared_or_ask(model: nn.Module, why: str, cause: BaseException | None = None) -> tuple[bool, str]:
+    """The model's own ``loss_shifts_labels``, else a LabelConventionError saying `why` (chained to `cause`, the
+    exception raised inside the model, so VLMFAST_TRACEBACK=1 shows its frame)."""
     declared = getattr(model, "loss_shifts_labels", None)
     if declared is not None:
         return bool(declared), "declared by the model"
     raise LabelConventionError(
         f"cannot tell whether {type(model).__name__} shifts its labels (predicts labels[t+1] at t): {why}. "
-        "Set loss.shift_labels: yes (causal LMs) or no in the spec")
+        "Set loss.shift_labels: yes (causal LMs) or no in the spec") from cause
 
 
 def _probe_num_items(run: _Runner, sample: dict[str, Any]) -> tuple[bool, str]:

@@ -38,7 +38,7 @@ from vlmfast.engines.foreign_loops import (
     loop_of,
     no_sync,
 )
-from vlmfast.models.conventions import LabelConventionError, LabelConventions, probe_label_conventions
+from vlmfast.models.conventions import LabelConventionError, LabelConventions, probe_label_conventions, refuse_empty
 from vlmfast.models.outputs import call_model, extract_loss
 from vlmfast.strategies.base import Step, Strategy
 
@@ -168,17 +168,20 @@ class GradientAccumulation(Strategy):
         wide = next((mb for mb in labelled if mb[self.label_key].dim() and mb[self.label_key].shape[-1] >= 3),
                     labelled[0])
         loss_fn = self.loss_fn
+        local: LabelConventionError | None = None
         try:
             verdict: LabelConventions | str = probe_label_conventions(
                 self.model, wide, label_key=self.label_key, ignore_index=self.ignore_index,
                 shift_labels=self.shift_labels if isinstance(self.shift_labels, bool) else None,
                 call=(lambda model, batch: loss_fn(model, batch)) if loss_fn is not None else None)
         except LabelConventionError as exc:
-            verdict = str(exc)
+            verdict, local = str(exc), exc  # only the text crosses ranks; the exception (and its cause) stays here
         verdicts = gather_objects(verdict)
         agreed = next((v for v in verdicts if isinstance(v, LabelConventions)), None)
         if agreed is None:
-            raise LabelConventionError(str(verdicts[0]))
+            if local is not None and verdicts[0] == verdict:
+                raise local  # this rank's own: its cause (the model's frame) is kept for VLMFAST_TRACEBACK=1
+            raise LabelConventionError(str(verdicts[0])) from local
         self.conventions = agreed
         self.shift_labels = self.conventions.shifts_labels
         self.passes_num_items = loss_fn is None and self.conventions.honours_num_items
@@ -192,6 +195,8 @@ class GradientAccumulation(Strategy):
         splitter = getattr(micro_batch_size, "split", None)
         micro_batches = (splitter(batch, host=host) if splitter is not None  # planned on the host, rows gathered
                          else split_micro_batches(batch, micro_batch_size, self.layout, host=host))
+        for i, micro_batch in enumerate(micro_batches):  # before a probe or the model indexes row 0 of it
+            refuse_empty(micro_batch, f"micro-batch {i + 1} of {len(micro_batches)} of this optimizer batch")
         self.resolve_conventions(micro_batches)
         counted = host_micro_batches(batch, micro_batch_size, self.layout, host, keys=(self.label_key, "shift_labels"))
         token_counts = [self._count_tokens(mb) for mb in counted or micro_batches]  # the same split, on the host
