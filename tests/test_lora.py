@@ -131,7 +131,19 @@ def test_a_model_the_user_wrapped_with_peft_is_used_as_it_is():
     wrapped = peft.get_peft_model(copy.deepcopy(case.model), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     trainer = OptimizedTrainer(wrapped, case.samples, spec(), collate_fn=case.collate_fn)
     assert trainer.engine.module is wrapped
-    assert "the user's PEFT model" in trainer.fit().report.to_text()
+    assert "the user's PEFT model (r 4, alpha 8, scale alpha / r = 2)" in trainer.fit().report.to_text()
+
+
+def test_the_report_shows_r_alpha_and_the_scale_they_make():
+    """lora.alpha defaults to 16 where PEFT's lora_alpha defaults to 8: the report says which scale a run used."""
+    case = build_case("llava")
+    for lora, shown in (({"r": 8, "alpha": 16}, "lora: r 8, alpha 16, scale alpha / r = 2, all-linear on language"),
+                        ({"r": 4, "alpha": 8}, "lora: r 4, alpha 8, scale alpha / r = 2, all-linear on language"),
+                        ({"r": 16, "alpha": 8}, "lora: r 16, alpha 8, scale alpha / r = 0.5, ")):
+        trainer = OptimizedTrainer(copy.deepcopy(case.model), case.samples, spec(lora=lora), collate_fn=case.collate_fn)
+        assert shown in trainer.fit().report.to_text()
+    assert TrainSpec(lora={"enabled": True}).lora.alpha == 16  # kept (existing runs' scale), documented
+    assert "differs from PEFT's 8" in type(TrainSpec().lora).model_fields["alpha"].description
 
 
 def test_without_peft_the_error_names_the_extra(monkeypatch):

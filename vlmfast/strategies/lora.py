@@ -51,11 +51,13 @@ class LoRASpec(Section):
 
     enabled: bool = Field(False, description="train low-rank adapters instead of the full model (needs peft)")
     r: int = Field(8, ge=1, description="rank of each adapter")
-    alpha: float = Field(16.0, gt=0, description="scaling numerator (PEFT's lora_alpha): updates scale by alpha / r")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator (PEFT's lora_alpha): updates scale by alpha / r; "
+                         "NOTE the default 16 differs from PEFT's 8 (at r 8: scale 2, PEFT's 1)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (PEFT's lora_dropout)")
     target_modules: Literal["all-linear"] | list[str] = Field(
         "all-linear", description="all-linear: every Linear of the towers below but the output head; or module names "
-        "(PEFT matches a name or a dotted suffix)")
+        "(PEFT matches a name or a dotted suffix). NOTE PEFT's default is none (a preset per model type, often "
+        "q_proj and v_proj only)")
     towers: list[Tower] = Field(["language"], min_length=1, description=(  # pydantic copies a mutable default
         "where all-linear puts adapters: language (the model around the input embedding), vision (everything outside "
         "it: the vision tower, the projector)"))
@@ -76,6 +78,20 @@ class LoRASpec(Section):
             raise ValueError(f"lora.quantize: {self.quantize} quantizes the frozen base under LoRA adapters: set "
                              "lora.enabled: true, or lora.quantize: none")
         return self
+
+
+def _scale_text(r: int, alpha: float, rslora: bool = False) -> str:
+    """'r 8, alpha 16, scale alpha / r = 2': what multiplies each adapter's update (rsLoRA: alpha / sqrt(r))."""
+    scale, rule = (alpha / r**0.5, "alpha / sqrt(r)") if rslora else (alpha / r, "alpha / r")
+    return f"r {r}, alpha {alpha:g}, scale {rule} = {scale:.4g}"
+
+
+def _scale_of(model: nn.Module) -> str:
+    """_scale_text of a PEFT model's (first) LoRA config, as PEFT reads it."""
+    config = next(iter(getattr(model, "peft_config", {}).values()), None)
+    if config is None or not hasattr(config, "lora_alpha"):
+        return "no LoRA config"
+    return _scale_text(config.r, config.lora_alpha, bool(getattr(config, "use_rslora", False)))
 
 
 def require_peft() -> Any:
@@ -282,7 +298,8 @@ class LoRA(Strategy):
         total = sum(p.numel() for p in self.model.parameters())
         targets = self.spec.target_modules
         where = f"{targets} on {'+'.join(self.spec.towers)}" if isinstance(targets, str) else f"{len(targets)} modules"
-        how = "the user's PEFT model" if self.given else f"r {self.spec.r}, alpha {self.spec.alpha:g}, {where}"
+        how = f"the user's PEFT model ({_scale_of(self.model)})" if self.given \
+            else f"{_scale_text(self.spec.r, self.spec.alpha)}, {where}"
         if self.spec.quantize != "none" and not self.given:
             how += f", base in {self.spec.quantize} ({self.spec.quant_type})"
         return f"lora: {how}; {trainable:,} of {total:,} parameters train ({trainable / max(total, 1):.2%})"
