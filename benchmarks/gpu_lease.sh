@@ -11,14 +11,20 @@
 #       the one command sent to the device: installs the wheels (--no-index --target), puts the checkout on
 #       PYTHONPATH, runs the steps below most valuable first under one deadline (default 480 s), and after EACH step
 #       copies its results into --out (default $OUT): gpu_lease.json (summary), the step's JSON, logs.tar.gz. A step
-#       that times out is cut; everything before it is already in --out. --dry-run: toy sizes on any machine.
-#       --only: the smoke step and these steps (a second call for what the first could not finish). --plan FILE:
-#       the steps from FILE instead (lines "name<TAB>seconds<TAB>result file<TAB>command"; tests).
-#       COMPARE_CONFIGS=start,vlmfast-best,... narrows the comparison's rows.
+#       that overruns its estimate is cut, one whose estimate exceeds the time left is skipped; everything before
+#       it is already in --out. --dry-run: toy sizes on any machine. --only: the smoke step and these steps (a
+#       second call for what the first could not finish). --plan FILE: the steps from FILE instead (lines
+#       "name<TAB>estimated seconds<TAB>result file<TAB>command"; tests). COMPARE_CONFIGS=start,vlmfast-best,...
+#       narrows the comparisons' rows.
+#   bash benchmarks/gpu_lease.sh plan [--dry-run] [--deadline SECONDS]
+#       prints the plan with each part's estimate and the total; exit 1 when it exceeds the deadline or 8 files.
 #
-# Steps, most valuable first (the smoke step stops the run when it fails: a broken install costs one minute):
-#   smoke, gpu_tests, compare (vs hand-written, Accelerate, HF Trainer, with MFU), sync_check (torch's own syncs),
-#   attention (2k, 4k), attention_packed, linear_cross_entropy (vocabulary 151,936), overhead.
+# Parts, most valuable first (the smoke step stops the run when it fails: a broken install costs one minute):
+#   smoke; compare_gpu (start, vlmfast-best and the three peers' best at the 172M gpu size: 30 steps, 3 rounds,
+#   compile per block, MFU); compare_gpu1b (the same rows at the 1.4B LLaVA gpu-1b size); trace_gpu1b
+#   (torch.profiler of vlmfast-best at gpu-1b reduced to where the GPU idles); device_bound (the GIL-free stand-in
+#   on the device's CPUs); sync_check (host syncs per step). Earlier leases' parts (gpu_tests, attention,
+#   linear_cross_entropy, overhead) run with --plan FILE.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -29,7 +35,7 @@ WHEELS="${LEASE_WHEELS:-$ROOT/.wheels}"
 REQUIREMENTS=("pydantic>=2.6,<3")
 MAX_FILES=8
 
-usage() { sed -n '2,19p' "$0"; }
+usage() { sed -n '2,26p' "$0"; }
 
 prepare() {
   local pyver=3.12 dest=$WHEELS
@@ -58,33 +64,58 @@ prepare() {
 DRY_RUN=0 OUT_DIR="${OUT:-}" DEADLINE_S=480 PLAN="" ONLY=""
 WORK="" STATUS="" START=0 DEADLINE=0
 
+# The plan: one line per part, most valuable first: name, ESTIMATED seconds on an H200 (from the first lease: a
+# compare run costs ~6 s of set-up and evaluation besides its steps), result file, command. `plan` prints it with
+# the total, which must fit the deadline. Drop order when the deadline nears: the last parts first (sync_check,
+# device_bound, trace, compare_gpu1b); a part whose estimate exceeds the time left is skipped and smaller ones
+# after it still run; a part that overruns its estimate by 30 % (+10 s) is cut.
 default_plan() {
   local py=$PYTHON w=$WORK
-  local gpu_files
-  gpu_files=$(grep -l "mark.gpu" tests/*.py tests/faults/*.py | tr '\n' ' ')
+  local rows=${COMPARE_CONFIGS:-start,vlmfast-best,accelerate-best,hf-best,fabric-best}
   if [ "$DRY_RUN" = 1 ]; then
     printf 'smoke\t60\t-\t%s benchmarks/lease_smoke.py --out %s/smoke.json\n' "$py" "$w"
-    printf 'gpu_tests\t240\t-\t%s -m pytest -q -m gpu -p no:cacheprovider -rs %s --junitxml=%s/gpu_tests.xml\n' \
-      "$py" "$gpu_files" "$w"
-    printf 'compare\t240\tcompare_quick.json\t%s benchmarks/compare.py --quick --no-headroom --batch-size 2 --without compile --configs start,vlmfast-best,hf-best --out %s\n' "$py" "$w"
-    printf 'sync_check\t150\tsync_check.json\t%s benchmarks/sync_check.py --steps 2 --batch-size 4 --configs default packing token_budget --out %s/sync_check.json\n' "$py" "$w"
-    printf 'attention\t90\tattention.json\t%s benchmarks/attention.py --lengths 64 --repeats 1 --reps-per-round 1 --out %s/attention.json\n' "$py" "$w"
-    printf 'attention_packed\t90\tattention_packed4.json\t%s benchmarks/attention.py --lengths 64 --repeats 1 --reps-per-round 1 --packed 4 --out %s/attention_packed4.json\n' "$py" "$w"
-    printf 'linear_cross_entropy\t150\tlinear_cross_entropy.json\t%s benchmarks/linear_cross_entropy.py --vocab 4096 --hidden 64 --tokens 128 --steps 1 --rounds 1 --out %s/linear_cross_entropy.json\n' "$py" "$w"
-    printf 'overhead\t90\toverhead.json\t%s benchmarks/overhead.py --steps 2 --warmup 1 --repeats 1 --batch-size 2 --out %s/overhead.json\n' "$py" "$w"
+    printf 'compare_gpu\t100\tcompare_quick.json\t%s benchmarks/compare.py --quick --no-headroom --batch-size 2 --configs %s --out %s\n' "$py" "$rows" "$w"
+    printf 'compare_gpu1b\t60\tcompare_gpu-1b_quick.json\t%s benchmarks/compare.py --size gpu-1b --dry-run --no-headroom --configs %s --out %s\n' "$py" "$rows" "$w"
+    printf 'trace_gpu1b\t60\ttrace_gaps_gpu-1b.json\t%s benchmarks/trace_gaps.py --size gpu-1b --toy --start-step 2 --steps 2 --out %s/trace_gaps_gpu-1b.json\n' "$py" "$w"
+    printf 'device_bound\t120\tdevice_bound.json\t[ ! -f benchmarks/device_bound.py ] || %s benchmarks/device_bound.py --quick --out %s/device_bound.json\n' "$py" "$w"
+    printf 'sync_check\t40\tsync_check.json\t%s benchmarks/sync_check.py --steps 2 --batch-size 4 --configs default packing --out %s/sync_check.json\n' "$py" "$w"
     return
   fi
-  local contenders=${COMPARE_CONFIGS:-start,vlmfast,vlmfast+bf16,vlmfast+sdpa,vlmfast+packing,vlmfast-best,accelerate,accelerate-best,hf-trainer,hf-best}
-  printf 'smoke\t60\t-\t%s benchmarks/lease_smoke.py --out %s/smoke.json\n' "$py" "$w"
-  printf 'gpu_tests\t100\t-\t%s -m pytest -v -m gpu -p no:cacheprovider -rs --timeout=40 %s --junitxml=%s/gpu_tests.xml\n' \
-    "$py" "$gpu_files" "$w"
-  printf 'compare\t190\tcompare.json\t%s benchmarks/compare.py --size gpu --steps 10 --warmup 3 --repeats 2 --no-headroom --without compile --configs %s --out %s\n' \
-    "$py" "$contenders" "$w"
-  printf 'sync_check\t45\tsync_check.json\t%s benchmarks/sync_check.py --steps 4 --out %s/sync_check.json\n' "$py" "$w"
-  printf 'attention\t60\tattention.json\t%s benchmarks/attention.py --dtype bf16 --lengths 2048 4096 --repeats 3 --out %s/attention.json\n' "$py" "$w"
-  printf 'attention_packed\t50\tattention_packed4.json\t%s benchmarks/attention.py --dtype bf16 --lengths 2048 4096 --packed 4 --repeats 3 --out %s/attention_packed4.json\n' "$py" "$w"
-  printf 'linear_cross_entropy\t40\tlinear_cross_entropy.json\t%s benchmarks/linear_cross_entropy.py --device cuda --precision bf16 --tokens 8192 --steps 3 --rounds 1 --out %s/linear_cross_entropy.json\n' "$py" "$w"
-  printf 'overhead\t30\toverhead.json\t%s benchmarks/overhead.py --steps 20 --warmup 5 --repeats 3 --out %s/overhead.json\n' "$py" "$w"
+  # smoke 40 s; compare at gpu: 5 rows x 3 rounds x (3 + 30) steps of 15-110 ms, ~6 s set-up each, compile per
+  # block (inductor: ~30 s cold once, ~4 s a run after) ~170 s; gpu-1b: building the 1.4B model ~20 s, 5 rows x 1
+  # round x (2 + 8) steps (start ~2.5 s/step at fp32, best rows ~0.5 s) + ~8 s set-up and compile each ~150 s;
+  # the trace: 5 + 3 steps of vlmfast-best at gpu-1b ~45 s; the stand-in on the device's CPUs ~40 s; syncs ~20 s.
+  printf 'smoke\t40\t-\t%s benchmarks/lease_smoke.py --out %s/smoke.json\n' "$py" "$w"
+  printf 'compare_gpu\t170\tcompare.json\t%s benchmarks/compare.py --size gpu --steps 30 --warmup 3 --repeats 3 --no-headroom --configs %s --out %s\n' \
+    "$py" "$rows" "$w"
+  printf 'compare_gpu1b\t150\tcompare_gpu-1b.json\t%s benchmarks/compare.py --size gpu-1b --steps 8 --warmup 2 --repeats 1 --no-headroom --configs %s --out %s\n' \
+    "$py" "$rows" "$w"
+  printf 'trace_gpu1b\t45\ttrace_gaps_gpu-1b.json\t%s benchmarks/trace_gaps.py --size gpu-1b --start-step 6 --steps 3 --out %s/trace_gaps_gpu-1b.json\n' "$py" "$w"
+  printf 'device_bound\t40\tdevice_bound.json\t[ ! -f benchmarks/device_bound.py ] || %s benchmarks/device_bound.py --quick --out %s/device_bound.json\n' "$py" "$w"
+  printf 'sync_check\t20\tsync_check.json\t%s benchmarks/sync_check.py --steps 4 --configs default packing device_prefetch --out %s/sync_check.json\n' "$py" "$w"
+}
+
+# `plan`: the parts, their estimates and the total against the deadline (exit 1 when it does not fit).
+show_plan() {
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --dry-run) DRY_RUN=1 ;;
+      --deadline) DEADLINE_S=$2; shift ;;
+      *) echo "gpu_lease.sh plan: unknown argument $1" >&2; exit 2 ;;
+    esac
+    shift
+  done
+  WORK='$WORK'
+  local name estimate result command total=0 files=2
+  while IFS=$'\t' read -r name estimate result command; do
+    [ -z "$name" ] && continue
+    total=$((total + estimate))
+    [ "$result" != - ] && files=$((files + 1))
+    printf '%-14s %4ss  %-28s %s\n' "$name" "$estimate" "$result" "$command"
+  done <<< "$(default_plan)"
+  printf 'total %ss of %ss; %s files back (gpu_lease.json, logs.tar.gz and the results; at most %s)\n' \
+    "$total" "$DEADLINE_S" "$files" "$MAX_FILES"
+  [ "$total" -le "$DEADLINE_S" ] && [ "$files" -le "$MAX_FILES" ]
 }
 
 # Install the carried wheels where the image lacks pydantic; the checkout itself goes on PYTHONPATH.
@@ -135,15 +166,17 @@ EOF
   tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" logs $(cd "$WORK" && ls smoke.json gpu_tests.xml ./*.md 2>/dev/null)
 }
 
-# step NAME LIMIT RESULT COMMAND: bounded by LIMIT and by the deadline; a step with too little time left is skipped
+# step NAME ESTIMATE RESULT COMMAND: skipped when its estimate exceeds the time left (the drop order: later, smaller
+# steps still run), cut at 130 % of the estimate + 10 s or at the deadline
 step() {
-  local name=$1 limit=$2 result=$3 command=$4
-  local now left code state took
+  local name=$1 estimate=$2 result=$3 command=$4
+  local now left code state took limit
   now=$(date +%s); left=$((DEADLINE - now - 5))  # 5 s for collecting
-  if [ "$left" -lt 10 ]; then
-    printf '%s\tskipped (deadline)\t0\t%s\n' "$name" "$result" >> "$STATUS"
-    echo "== $name: skipped, the deadline is near"; collect; return 0
+  if [ "$left" -lt 10 ] || [ "$estimate" -gt "$left" ]; then
+    printf '%s\tskipped (needs ~%ss, %ss left)\t0\t%s\n' "$name" "$estimate" "$left" "$result" >> "$STATUS"
+    echo "== $name: skipped, ~${estimate}s needed and ${left}s left"; collect; return 0
   fi
+  limit=$((estimate * 13 / 10 + 10))
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (at most ${limit}s): $command"
   # timeout signals the whole process group: DataLoader workers and compile workers end with the step
@@ -207,6 +240,7 @@ run() {
 
 case "${1:-}" in
   prepare) shift; prepare "$@" ;;
+  plan) shift; show_plan "$@" ;;
   run) shift; run "$@" ;;
   -h|--help|"") usage ;;
   *) echo "gpu_lease.sh: unknown verb $1 (prepare or run)" >&2; exit 2 ;;

@@ -65,12 +65,12 @@ def _python3_only_path(tmp_path: Path) -> str:
 def test_run_cuts_a_hung_step_keeps_what_came_before_and_writes_at_most_8_files(tmp_path):
     plan = tmp_path / "plan.tsv"
     steps = [
-        ("smoke", 30, "-", "python3 -c 'import sys; print(sys.version)'"),
+        ("smoke", 5, "-", "python3 -c 'import sys; print(sys.version)'"),
         # a step writes its result into the run's work folder ($LEASE_WORK); the run copies it into --out
-        ("first", 30, "first.json", "python3 -c \"import json,os; json.dump({'ok': 1}, open(os.environ['LEASE_WORK']"
+        ("first", 5, "first.json", "python3 -c \"import json,os; json.dump({'ok': 1}, open(os.environ['LEASE_WORK']"
                                     " + '/first.json', 'w'))\""),
-        ("hangs", 300, "hangs.json", "sleep 600"),
-        ("never", 30, "never.json", "echo never"),
+        ("hangs", 5, "hangs.json", "sleep 600"),  # cut at 130 % of its estimate + 10 s: 16 s
+        ("never", 30, "never.json", "echo never"),  # ~30 s needed, fewer left: skipped (the drop order)
     ]
     plan.write_text("".join(f"{n}\t{s}\t{r}\t{c}\n" for n, s, r, c in steps))
     out = tmp_path / "out"
@@ -81,7 +81,7 @@ def test_run_cuts_a_hung_step_keeps_what_came_before_and_writes_at_most_8_files(
     summary = json.loads((out / "gpu_lease.json").read_text())
     states = {s["step"]: s["status"] for s in summary["steps"]}
     assert states["smoke"] == "ok" and states["first"] == "ok", started.stdout + started.stderr
-    assert states["hangs"] == "timeout" and states["never"].startswith("skipped"), states
+    assert states["hangs"] == "timeout" and states["never"].startswith("skipped (needs ~30s"), states
     assert summary["elapsed_s"] <= 35 and not summary["all_ok"] and started.returncode == 1
     assert json.loads((out / "first.json").read_text()) == {"ok": 1}  # copied before the hang began
     assert {p.name for p in out.iterdir()} == {"gpu_lease.json", "first.json", "logs.tar.gz"}
@@ -98,3 +98,30 @@ def test_a_failed_first_step_stops_the_run(tmp_path):
     summary = json.loads((out / "gpu_lease.json").read_text())
     assert [s["step"] for s in summary["steps"]] == ["smoke"] and summary["steps"][0]["status"].startswith("failed")
     assert "stopping" in started.stderr and started.returncode == 1
+
+
+def _plan(*args: str) -> tuple[int, list[str]]:
+    shown = subprocess.run(["bash", str(SCRIPT), "plan", *args], capture_output=True, text=True, timeout=60)
+    return shown.returncode, shown.stdout.splitlines()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_the_plan_fits_one_480_s_call_and_8_files_by_its_own_estimates(dry_run):
+    code, lines = _plan(*(["--dry-run"] if dry_run else []))
+    parts = {line.split()[0]: int(line.split()[1].rstrip("s")) for line in lines[:-1]}
+    assert list(parts) == ["smoke", "compare_gpu", "compare_gpu1b", "trace_gpu1b", "device_bound", "sync_check"]
+    assert sum(parts.values()) <= 480 and code == 0, lines[-1]
+    assert lines[-1].startswith(f"total {sum(parts.values())}s of 480s; 7 files back")
+    compare = next(line for line in lines if line.startswith("compare_gpu "))
+    for row in ("start", "vlmfast-best", "accelerate-best", "hf-best", "fabric-best"):
+        assert row in compare
+    if not dry_run:  # on the GPU: >= 30 timed steps and 3 interleaved rounds, compile included (per block)
+        assert "--steps 30" in compare and "--repeats 3" in compare and "--without compile" not in compare
+        assert "--size gpu-1b" in next(line for line in lines if line.startswith("compare_gpu1b"))
+    # the stand-in is guarded: a checkout without it runs the rest
+    assert "[ ! -f benchmarks/device_bound.py ] ||" in next(line for line in lines if line.startswith("device_bound"))
+
+
+def test_a_plan_over_the_deadline_says_so_and_fails():
+    code, lines = _plan("--deadline", "300")
+    assert code == 1 and lines[-1].startswith("total ") and "of 300s" in lines[-1]
