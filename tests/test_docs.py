@@ -128,8 +128,9 @@ def test_runnable_block(block: Block, tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_misspelt_key_error_is_the_one_the_quick_start_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """quickstart.md's ``text`` block of ``vlmfast spec --check run.yaml`` on ``learning_rate`` is real output (and
-    ways-in.md's "unknown keys name the closest valid one")."""
+    """quickstart.md's ``text`` block and README.md's block of ``vlmfast spec --check run.yaml`` on
+    ``learning_rate`` are the real output, every line of it (and ways-in.md's "unknown keys name the closest valid
+    one")."""
     from vlmfast.cli.main import main as vlmfast
 
     monkeypatch.chdir(tmp_path)
@@ -138,10 +139,18 @@ def test_misspelt_key_error_is_the_one_the_quick_start_shows(tmp_path: Path, mon
     out = capsys.readouterr()
     output = out.out + out.err
     assert "did you mean 'lr'" in output, output
-    (shown,) = [block for block in code_blocks(DOCS / "quickstart.md") if "did you mean" in block.code]
-    for line in shown.code.splitlines():
-        if not line.startswith("$ "):
-            assert line in output.splitlines(), f"quickstart.md:{shown.line}: {line!r} not in\n{output}"
+    for page in (DOCS / "quickstart.md", ROOT / "README.md"):
+        (shown,) = [block for block in code_blocks(page) if "did you mean" in block.code]
+        lines = [line for line in shown.code.splitlines() if not line.startswith("$ ")]
+        assert lines == output.splitlines(), f"{page.name}:{shown.line}: {lines} is not the whole output\n{output}"
+
+
+def test_the_quick_start_links_only_files_a_checkout_has() -> None:
+    """A newcomer reads quickstart.md in the checkout or on the forge, where the pages the site build generates
+    (spec-reference.md) do not exist: each of its relative links names a file that does."""
+    text = (DOCS / "quickstart.md").read_text()
+    links = [target.split("#")[0] for target in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in target]
+    assert links and not [link for link in links if link and not (DOCS / link).exists()]
 
 
 def reset_global_state() -> None:
