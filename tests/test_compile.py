@@ -331,3 +331,39 @@ def test_profiling_and_auto_attention_add_no_graphs_to_a_compiled_model():
     plain = graphs({"timing": False, "mfu": False}, {"backend": "sdpa"})
     assert plain >= 1
     assert graphs({"every_steps": 2, "warmup_steps": 0}, {"backend": "auto"}) <= plain
+
+
+def test_blocks_that_specialise_per_layer_all_compile_past_torch_s_default_limit(monkeypatch):
+    """Hugging Face layers keep ``layer_idx`` in forward: dynamo makes one graph per layer, and past its default
+    recompile limit (8) the remaining layers would run eager without a word; scope blocks raises the limit."""
+    import torch._dynamo.config as dynamo_config
+
+    from vlmfast.strategies.compile import compile_model
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # torch's default, restored after the test
+
+    class Layer(nn.Module):
+        def __init__(self, layer_idx: int) -> None:
+            super().__init__()
+            self.layer_idx = layer_idx
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x) + self.layer_idx  # an int read in forward: guarded, one graph per layer
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer(i) for i in range(12))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    model = Stack()
+    compile_model(model, scope="blocks", backend=counter)
+    model(torch.randn(2, 4)).sum().backward()
+    assert counter.frame_count == 12 and dynamo_config.recompile_limit >= 12

@@ -34,6 +34,7 @@ from vlmfast.common.tf32 import restore_tf32_state, set_tf32, tf32_state
 from vlmfast.data.batch import move_to_device
 from vlmfast.data.micro_batches import SampleBatch
 from vlmfast.memory.stats import GB
+from vlmfast.strategies.compile import allow_recompiles
 from vlmfast.strategies.precision import autocast_context
 
 __all__ = ["RunResult", "Settings", "accelerate_loop", "fabric_loop", "hand_written", "hf_trainer", "vlmfast_run"]
@@ -210,6 +211,7 @@ def compile_blocks(model: nn.Module, settings: Settings) -> int:
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (an nn.ModuleList of two or more modules of "
                          "one class) to compile one by one")
+    allow_recompiles(len(blocks))  # what vlmfast's compile_model does too: one graph per layer must not hit 8
     for block in blocks:
         block.compile(backend=settings.compile_backend)
     return len(blocks)

@@ -39,7 +39,7 @@ from vlmfast.engines.foreign_loops import find_ddp
 from vlmfast.spec import CompileSpec
 from vlmfast.strategies.base import Strategy
 
-__all__ = ["CompileResult", "TorchCompile", "compile_model"]
+__all__ = ["CompileResult", "TorchCompile", "allow_recompiles", "compile_model"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,22 @@ def _targets(model: nn.Module, scope: str) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
+def allow_recompiles(blocks: int) -> int:
+    """Raise dynamo's per-function recompile limit to cover ``blocks`` compiled blocks; returns the limit.
+
+    Blocks of one class share their code, and a block that keeps an int attribute in its forward (Hugging Face's
+    ``layer_idx``) gets one graph per layer: past torch's default of 8, the remaining layers would silently run eager
+    (measured: a LLaVA's graphs grow by one per layer). Never lowers a limit the user set.
+    Usage: ``allow_recompiles(len(blocks))`` before the first compiled call.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    limit = max(getattr(dynamo_config, name), 2 * blocks + 8)  # two shape variants per block, and the rest
+    setattr(dynamo_config, name, limit)
+    return limit
+
+
 def compile_model(
     model: nn.Module,
     *,
@@ -181,7 +197,9 @@ def compile_model(
     _check_backend(backend)
     name = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
     result = CompileResult(compiled=[], backend=name, graphs_at_start=_graph_count())
-    for target_name, module in _targets(model, scope):
+    targets = _targets(model, scope)
+    allow_recompiles(len(targets))
+    for target_name, module in targets:
         if getattr(module, _GUARD, None) is None:
             module.compile(mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
             guard = _CompiledCall(module, target_name, module._compiled_call_impl, fallback, result)
