@@ -377,12 +377,26 @@ TRAINABLE_ONLY = ("fsdp", "zero2")  # the engines whose LoRA checkpoints hold th
 SAVING = (*TRAINABLE_ONLY, "zero3")  # the engines whose LoRA checkpoints are checked here (one process and DDP: above)
 
 
+def _dtype_for(engine: dict | None) -> torch.dtype:
+    """float64 (exact comparisons), except under ZeRO-3, which partitions fp32/bf16/fp16 parameters only (refused
+    before DeepSpeed sees them: test_a_float64_model_under_zero3_is_refused_before_deepspeed_sees_it)."""
+    return torch.float32 if (engine or {}).get("deepspeed", {}).get("zero_stage") == 3 else torch.float64
+
+
+def force_fp16_capable_accelerator() -> None:
+    """Make DeepSpeed's accelerator say it supports fp16, as on a CPU with AVX-512-FP16 (and every GPU): ZeRO-3's
+    zero.Init then picks its dtype another way, so every CI machine runs the case those machines run."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
 def _lora_trainer(batch_size: int, engine: dict | None = None, save: str | None = None,
-                  change_base: bool = False) -> OptimizedTrainer:
+                  change_base: bool = False, dtype: torch.dtype | None = None) -> OptimizedTrainer:
     from conftest import TinyCausalLM, TokenDataset
 
     torch.manual_seed(0)
-    model = TinyCausalLM().double()
+    model = TinyCausalLM().to(dtype or _dtype_for(engine))
     if change_base:
         with torch.no_grad():
             model.embed.weight[0, 0] += 1e-3  # one frozen element
@@ -399,8 +413,9 @@ def _trained(trainer: OptimizedTrainer) -> dict[str, torch.Tensor]:
             float(_full(p).double().sum()) for _, p in trainer.engine.module.named_parameters() if not p.requires_grad)}
 
 
-def _lora_tiny(batch_size: int, engine: dict | None = None, save: str | None = None) -> dict[str, torch.Tensor]:
-    trainer = _lora_trainer(batch_size, engine, save)
+def _lora_tiny(batch_size: int, engine: dict | None = None, save: str | None = None,
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    trainer = _lora_trainer(batch_size, engine, save, dtype=dtype)
     trainer.fit()
     kind = type(trainer.model).__name__
     assert "PeftModel" in kind if batch_size == 8 else kind in ("DistributedDataParallel", "FSDPPeftModel",
@@ -475,6 +490,7 @@ def _all_engines(batch_size: int, directory: str) -> tuple[dict, dict]:
     ZeRO-3 comes last: its engine replaces torch.nn.functional.linear for the rest of the process (DeepSpeed's
     zero.Init, memory_efficient_linear), which changed the bits of FSDP2's resume when it ran after ZeRO-3."""
     runs, checks = {}, {}
+    force_fp16_capable_accelerator()
     for name, engine in ENGINES.items():
         runs[name] = _lora_tiny(batch_size, engine, f"{directory}/{name}" if name in SAVING else None)
         if name in TRAINABLE_ONLY:
@@ -490,30 +506,46 @@ def test_two_ranks_under_ddp_fsdp2_zero2_and_zero3_train_the_adapters_as_one_pro
     from conftest import spawn_two_ranks
 
     ranks = spawn_two_ranks(_all_engines, tmp_path, "lora_engines", 4, str(tmp_path))
-    reference = _lora_tiny(8)
-    frozen, frozen_names, frozen_bytes = (reference.pop(key) for key in ("frozen", "frozen_names", "frozen_bytes"))
-    trainable_bytes = sum(p.numel() * p.element_size() for p in reference.values())
+    references = {dtype: _lora_tiny(8, dtype=dtype) for dtype in (torch.float64, torch.float32)}
+    tolerances = {torch.float64: 1e-6, torch.float32: 1e-5}  # norm-relative: 2 ranks sum in another order
     for runs, checks in ranks:
         for engine, params in runs.items():
+            dtype = _dtype_for(ENGINES[engine])
+            reference = dict(references[dtype])
+            frozen, frozen_names, frozen_bytes = (reference.pop(key) for key in ("frozen", "frozen_names",
+                                                                                 "frozen_bytes"))
             assert params.pop("frozen") == frozen, engine  # the base never moves
             assert params.pop("frozen_names") == frozen_names and params.pop("frozen_bytes") == frozen_bytes, engine
             assert sorted(params) == sorted(reference) and any("lora_B" in n for n in params), engine
-            diff = torch.cat([(params[n] - p).flatten() for n, p in reference.items()]).norm()
-            scale = torch.cat([p.flatten() for p in reference.values()]).norm()
-            assert diff <= 1e-6 * scale, f"{engine}: off by {float(diff / scale):.1e}"
-        for engine, check in checks.items():
-            resumed_from, params = check["resumed"]
+            diff = torch.cat([(params[n] - p).double().flatten() for n, p in reference.items()]).norm()
+            scale = torch.cat([p.double().flatten() for p in reference.values()]).norm()
+            assert diff <= tolerances[dtype] * scale, f"{engine}: off by {float(diff / scale):.1e}"
+            if engine not in checks:
+                continue
+            check = checks[engine]
+            resumed_from, resumed = check["resumed"]
             assert resumed_from == "step_00000002", engine
-            assert all(torch.equal(params[n], p) for n, p in runs[engine].items()), engine  # bit-exact
-            assert params["frozen"] == frozen, engine
+            assert all(torch.equal(resumed[n], p) for n, p in params.items()), engine  # bit-exact
+            assert resumed["frozen"] == frozen, engine
             if engine not in TRAINABLE_ONLY:
                 continue  # ZeRO-3: the whole state is saved (docs/lora.md, "Not yet")
+            trainable_bytes = sum(p.numel() * p.element_size() for p in reference.values())
             keys, floats = check["contents"]
             assert not keys & set(frozen_names), (engine, sorted(keys & set(frozen_names))[:3])  # no frozen tensor
             assert all(n in keys for n in reference), engine  # the adapters are there
             # weights, momentum and ZeRO's fp32 master partition of the adapters: no unnamed copy of the base either
             assert floats <= 3 * trainable_bytes < frozen_bytes, (engine, floats, trainable_bytes, frozen_bytes)
             assert "frozen base weights differ from the checkpoint's (fingerprint" in check["changed_base"], engine
+
+
+def test_a_float64_model_under_zero3_is_refused_before_deepspeed_sees_it(monkeypatch):
+    """On an fp16-capable accelerator (every GPU, a CPU with AVX-512-FP16: forced here so any machine checks it)
+    DeepSpeed's zero.Init asserted 'Invalid data type torch.float64'; vlmfast refuses first, naming the dtype."""
+    deepspeed = pytest.importorskip("deepspeed")
+    monkeypatch.setattr(deepspeed.accelerator.get_accelerator(), "is_fp16_supported", lambda: True)
+    with pytest.raises(SpecError, match=r"deepspeed.zero_stage: 3 partitions float32, bfloat16 or float16 parameters; "
+                       r".* is torch.float64: convert the model first \(model.float\(\)"):
+        _lora_trainer(4, ENGINES["zero3"], dtype=torch.float64)
 
 
 def test_the_free_space_check_expects_a_lora_checkpoint_of_the_trainable_state_only():

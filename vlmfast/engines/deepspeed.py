@@ -42,6 +42,9 @@ from vlmfast.strategies.precision import EnginePrecision
 
 log = logging.getLogger(__name__)
 
+# What ZeRO-3's parameter partitioning takes (deepspeed.zero.Init asserts it); DeepSpeed picks its own dtype from
+# get_accelerator().is_fp16_supported(), so another one fails on GPUs and fp16-capable CPUs only, deep inside it.
+ZERO3_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHECKPOINT_TAG = "deepspeed"  # the sub-folder of a vlmfast checkpoint that holds DeepSpeed's sharded files
 
 
@@ -145,6 +148,8 @@ class DeepSpeedEngine(Engine):
         except ImportError as exc:
             raise SpecError("engine: deepspeed needs DeepSpeed: pip install 'vlmfast[deepspeed]' (on a machine "
                             "without CUDA: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)") from exc
+        if self.shards_parameters:
+            refuse_zero3_dtypes(model)
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown vlmfast's report
         filter_deepspeed_warnings()  # torch's per-step deprecation FutureWarnings for DeepSpeed's collectives
         ensure_process_group()
@@ -239,6 +244,16 @@ class DeepSpeedEngine(Engine):
         offload = "".join(f", {key}={zero[key]['device']}" for key in ("offload_optimizer", "offload_param")
                           if key in zero)
         return [f"deepspeed: ZeRO-{zero['stage']}, {self.spec.precision}{offload}"]
+
+
+def refuse_zero3_dtypes(model: nn.Module) -> None:
+    """A SpecError naming the dtype and a parameter when ZeRO-3 cannot partition the model's floating parameters
+    (float64): checked before DeepSpeed sees the model, on every machine alike."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype not in ZERO3_DTYPES:
+            raise SpecError(f"deepspeed.zero_stage: 3 partitions float32, bfloat16 or float16 parameters; {name} is "
+                            f"{param.dtype}: convert the model first (model.float(); precision: bf16 or fp16 then "
+                            "sets the compute dtype), or use deepspeed.zero_stage: 2 or engine: ddp | fsdp")
 
 
 def _load_module(src: dict[str, Any], dst: nn.Module) -> None:
