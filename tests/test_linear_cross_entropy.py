@@ -210,6 +210,48 @@ def test_loss_path_keeps_far_fewer_bytes_for_backward() -> None:
     assert torch.equal(shift_targets(torch.tensor([[1, 2, 3]])), torch.tensor([[2, 3, -100]]))
 
 
+def _encoder_decoder(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "t5":  # no base model to run: the head's input is captured (scaled by d_model ** -0.5, tied)
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+            pad_token_id=0, dropout_rate=0.0)).double()
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(  # its base model gives the hidden states
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        dropout=0.0)).double()
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_an_encoder_decoder_gets_its_decoder_inputs_from_the_labels_and_the_same_loss_and_gradients(name) -> None:
+    """The chunked loss takes the labels away before the forward: the decoder inputs are made from them first, by
+    the model's own prepare_decoder_input_ids_from_labels, and the targets are the labels unshifted (seq2seq)."""
+    model = _encoder_decoder(name)
+    chunked = copy.deepcopy(model)
+    state = apply_linear_cross_entropy(chunked, chunk_tokens=4)
+    labels = torch.randint(3, VOCAB, (3, 6))
+    labels[0, 4:] = -100
+    batch = {"input_ids": torch.randint(3, VOCAB, (3, 9)), "attention_mask": torch.ones(3, 9, dtype=torch.long),
+             "labels": labels}
+    loss, ours = model(**batch).loss, chunked(**batch).loss
+    loss.backward()
+    ours.backward()
+    assert abs(float(ours - loss)) < 1e-10 * abs(float(loss)) and state.verified in ("yes", "not checked (the forward "
+                                                                                    "takes no logits_to_keep)")
+    # all gradients as one vector (a key bias's gradient is zero in exact arithmetic: noise alone, per tensor)
+    theirs = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert _relative(torch.cat([p.grad.flatten() for p in chunked.parameters()]), theirs) < 1e-10
+
+
+def test_an_encoder_decoder_without_a_way_to_make_its_decoder_inputs_is_refused_naming_the_strategy() -> None:
+    model = _encoder_decoder("bart")
+    model.prepare_decoder_input_ids_from_labels = None  # neither the model's own shift ...
+    model.config.decoder_start_token_id = None  # ... nor the config's start token
+    with pytest.raises(ValueError, match=r"linear_cross_entropy: BartForConditionalGeneration is an encoder-decoder "
+                       r"that shows no way to make its decoder_input_ids from the labels"):
+        apply_linear_cross_entropy(model)
+
+
 def test_clear_refusals() -> None:
     with pytest.raises(ValueError, match="hidden_states_for_loss"):
         apply_linear_cross_entropy(torch.nn.Linear(3, 3))

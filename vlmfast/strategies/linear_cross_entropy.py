@@ -576,6 +576,38 @@ def _protocol_source(model: nn.Module) -> _Source:
                    transform, bool(shift), lambda loss: ChunkedLossOutput(loss=loss))
 
 
+def _decoder_inputs_from_labels(model: nn.Module, original: Callable[..., Any]) -> Callable[[Tensor], Tensor] | None:
+    """How an encoder-decoder (its config's ``is_encoder_decoder``, or a forward taking ``decoder_input_ids``) makes
+    its decoder's inputs from the labels when it is given only labels: its own
+    ``prepare_decoder_input_ids_from_labels``, else the labels shifted right after ``decoder_start_token_id``.
+    None for a decoder-only model; refused when an encoder-decoder shows neither."""
+    config = getattr(model, "config", None)
+    takes = inspect.signature(original).parameters
+    if not (getattr(config, "is_encoder_decoder", False) or "decoder_input_ids" in takes):
+        return None
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return lambda labels: prepare(labels=labels)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    start = getattr(config, "decoder_start_token_id", None)
+    start = start if start is not None else getattr(text, "decoder_start_token_id", None)
+    if start is None:
+        raise _refuse(model, "is an encoder-decoder that shows no way to make its decoder_input_ids from the labels "
+                             "(no prepare_decoder_input_ids_from_labels, no config.decoder_start_token_id), and the "
+                             "chunked loss takes the labels away before the forward; pass decoder_input_ids in the "
+                             "batch")
+    pad = getattr(config, "pad_token_id", None)
+    pad = pad if pad is not None else getattr(text, "pad_token_id", None)
+    return lambda labels: _shift_right(labels, start, 0 if pad is None else pad)
+
+
+def _shift_right(labels: Tensor, start: int, pad: int) -> Tensor:
+    """Decoder inputs of a sequence-to-sequence model: ``start`` then ``labels[:-1]``, ignored positions as ``pad``."""
+    shifted = labels.new_full(labels.shape, start)
+    shifted[..., 1:] = labels[..., :-1]
+    return shifted.masked_fill(shifted == IGNORE_INDEX, pad)
+
+
 def _is_hf(model: nn.Module) -> bool:
     return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
 
@@ -622,6 +654,8 @@ class ChunkedLossModel:
     recompute: bool = True
     verified: str = "not yet"  # "yes", "not yet", or why it could not be checked
     calls: int = 0
+    # an encoder-decoder's decoder_input_ids from its labels (the model's own shift): built before the labels go
+    decoder_inputs: Callable[[Tensor], Tensor] | None = None
 
     @classmethod
     def wrap(cls, model: nn.Module, **options: Any) -> nn.Module:
@@ -651,12 +685,15 @@ class ChunkedLossModel:
         shifted = inputs.pop("shift_labels", None)
         for key in _DROPPED:
             inputs.pop(key, None)
+        if self.decoder_inputs is not None and inputs.get("decoder_input_ids") is None \
+                and inputs.get("decoder_inputs_embeds") is None:
+            inputs["decoder_input_ids"] = self.decoder_inputs(labels)  # what the model does with its labels
         if self.verify and self.verified == "not yet":
             self.verified = self._check(inputs)
         self.calls += 1
         hidden = self.source.hidden(inputs)
-        if shifted is None:
-            shifted = shift_targets(labels) if self.source.shift else labels
+        if shifted is None:  # an encoder-decoder's labels are aligned with its decoder's outputs: never shifted
+            shifted = shift_targets(labels) if self.source.shift and self.decoder_inputs is None else labels
         targets = shifted
         head = self.source.head
         t = self.source.transform
@@ -701,7 +738,8 @@ class ChunkedLossModel:
         with torch.no_grad():
             ours, _ = _chunk_logits(hidden, head.weight, getattr(head, "bias", None), self.source.transform,
                                     _compute_dtype(hidden.dtype))
-        theirs = logits.to(ours.dtype).reshape(ours.shape)
+        # the last positions: a forward that takes logits_to_keep through **kwargs may ignore it (BART)
+        theirs = logits[..., -hidden.shape[-2]:, :].to(ours.dtype).reshape(ours.shape)
         # The coarser of the two sides sets the tolerance: under bf16 autocast the model's head gives bf16 logits
         # from fp32 hidden states (seen on an H200: 2e-3 to 4e-3 apart, exact loss).
         exact = all(x.dtype in (torch.float32, torch.float64) for x in (hidden, logits))
@@ -765,7 +803,7 @@ def apply_linear_cross_entropy(
         source=source, original=original, signature=inspect.signature(original),
         chunk_tokens=chunk_tokens or auto_chunk_tokens(weight.shape[0]),
         impl=resolve_impl(impl, weight.device), label_smoothing=label_smoothing, z_loss=z_loss, verify=verify,
-        recompute=recompute)
+        recompute=recompute, decoder_inputs=_decoder_inputs_from_labels(model, original))
     model._vlmfast_lce = state
     model.forward = types.MethodType(_chunked_forward, model)
     return state
