@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import torch
 from conftest import TinyCausalLM, TokenDataset
 from torch import nn
 
+from vlmfast.models import build_tiny_vlm_task
 from vlmfast.profiling.doctor import (
     Evidence,
     diagnose,
@@ -27,6 +29,7 @@ from vlmfast.profiling.doctor import (
 )
 from vlmfast.profiling.doctor_cli import add_doctor_command, run_doctor
 from vlmfast.spec import TrainSpec
+from vlmfast.train.loop import OptimizedTrainer
 
 
 class SleepyTokens(TokenDataset):
@@ -207,6 +210,58 @@ def test_doctor_command_line(tmp_path, capsys) -> None:
     assert json.loads((tmp_path / "d.json").read_text())["findings"][0]["key"] == "data_loading"
     assert json.loads(next((out / "profiler").glob("trace_steps_*.json")).read_text())["traceEvents"]
     assert (out / "step_time_breakdown.png").is_file()
+
+
+def test_a_change_past_the_trial_limit_is_not_measured_and_the_others_are() -> None:
+    """doctor --apply bounds each trial (a cold-cache compile took 94 s of a 111 s run): past the limit the row says
+    not measured and why, and the table, the ranking and the advice go on without it."""
+    from vlmfast.profiling.doctor import Finding, rank_findings, trial_advice
+
+    def run(spec: TrainSpec) -> Evidence:
+        if spec.compile.enabled:
+            time.sleep(120)  # a start-up longer than the limit: interrupted, never waited for
+        return _evidence(data_wait=60 / (1 + spec.data.num_workers) if spec.data.num_workers != "auto" else 10,
+                         forward=40)
+
+    findings = [Finding("compute", "compute-bound", 0.2, "", {"compile.enabled": True}),
+                Finding("data", "data-bound", 0.3, "", {"data.num_workers": 3})]
+    trials = one_flag_at_a_time(run, SPEC, findings, baseline=_evidence(data_wait=60, forward=40), limit_s=1.0)
+    compiled = trials[1]
+    assert compiled.not_measured.startswith("over the 1 s trial limit") and not compiled.advised
+    assert trials[2].measured and trials[2].advised
+    table = format_trials(trials)
+    assert "compile.enabled=true" in table and "not measured: over the 1 s trial limit" in table
+    assert table.index("data.num_workers=3") < table.index("compile.enabled=true")  # measured rows first
+    assert "try --set data.num_workers=3 first" in trial_advice(trials)
+    ranked = rank_findings(findings, trials)
+    assert [f.key for f in ranked] == ["data", "compute"] and ranked[1].measured.startswith("not measured (over")
+
+
+def test_the_trial_limit_stops_a_compile_inside_dynamo_past_the_eager_fallback() -> None:
+    """The limit's exception is a BaseException: neither dynamo's error wrapping nor compile.fallback's
+    `except Exception` turns it into an eager run that would then be timed as the compiled one."""
+    from vlmfast.profiling.trial_budget import TrialBudgetExceeded, trial_budget
+
+    compiling = []
+
+    def slow_backend(graph, example_inputs):  # stands in for inductor building its kernels with a cold cache
+        compiling.append(graph)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)  # the limit runs out while the backend compiles
+        time.sleep(120)
+        return graph.forward
+
+    torch._dynamo.register_backend(slow_backend, name="vlmfast_test_slow")
+    spec = TrainSpec(max_steps=2, batch_size=4, device="cpu", log={"progress": "off"}, memory={"leak_check": False},
+                     compile={"enabled": True, "backend": "vlmfast_test_slow"})
+    model, dataset, collate = build_tiny_vlm_task(num_samples=8)
+    trainer = OptimizedTrainer(model, dataset, spec, collate_fn=collate)
+    try:
+        with pytest.raises(TrialBudgetExceeded), trial_budget(600.0):
+            trainer.fit()
+    finally:
+        torch._dynamo.reset()
+    compile_strategy = next(s for s in trainer.strategies if s.name == "compile")
+    assert len(compiling) == 1 and trainer.state.step == 0 and not compile_strategy.result.fallbacks  # not eager
 
 
 def tiny_job() -> tuple[nn.Module, torch.utils.data.Dataset, None]:

@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from vlmfast.profiling.phase_timer import percentile
+from vlmfast.profiling.trial_budget import TrialBudgetExceeded, trial_budget
 from vlmfast.spec import TrainSpec
 
 __all__ = ["Evidence", "Finding", "FlagTrial", "diagnose", "format_findings", "format_trials",
@@ -674,18 +675,25 @@ class FlagTrial:
     startup_s: float = 0.0
     run_speedup: float = 1.0
     run_steps: int | None = None
+    not_measured: str | None = None  # why the trial was abandoned (over the trial limit), or None
 
     @property
     def advised(self) -> bool:
         """Faster over the whole job once its start-up is paid (the only gain a run gets)."""
-        return self.error is None and self.label != "baseline" and self.run_speedup > 1.0
+        return self.error is None and self.not_measured is None and self.label != "baseline" \
+            and self.run_speedup > 1.0
+
+    @property
+    def measured(self) -> bool:
+        return self.error is None and self.not_measured is None
 
 
 def one_flag_at_a_time(run: Callable[[TrainSpec], Evidence], spec: TrainSpec, findings: Sequence[Finding],
-                       baseline: Evidence | None = None) -> list[FlagTrial]:
+                       baseline: Evidence | None = None, limit_s: float | None = None) -> list[FlagTrial]:
     """Run the baseline and each finding's change alone. The speed-up is baseline p50 step time / changed p50 step
     time, per real token when both runs count tokens (a change such as packing puts more tokens in a step); the run
-    speed-up also pays the change's start-up over the job's `spec.max_steps` steps (see :class:`FlagTrial`)."""
+    speed-up also pays the change's start-up over the job's `spec.max_steps` steps (see :class:`FlagTrial`). A change
+    whose run takes longer than `limit_s` (a compile with a cold cache) is abandoned: its row says not measured."""
     baseline = baseline or run(spec)
     steps = spec.max_steps
     base = FlagTrial("baseline", {}, baseline.step_ms, baseline.peak_memory_gb, tokens_per_s=_rate(baseline),
@@ -696,7 +704,13 @@ def one_flag_at_a_time(run: Callable[[TrainSpec], Evidence], spec: TrainSpec, fi
             continue
         label = ", ".join(_set_args(finding.change))
         try:
-            measured = run(with_changes(spec, finding.change))
+            with trial_budget(limit_s):
+                measured = run(with_changes(spec, finding.change))
+        except TrialBudgetExceeded as exc:
+            trials.append(FlagTrial(label, finding.change, math.nan, None, math.nan, run_speedup=math.nan,
+                                    run_steps=steps, not_measured=_over_the_limit(exc)))
+            _forget_compiled_code()
+            continue
         except Exception as exc:  # a flag that cannot run here is a result too, not the end of the table
             trials.append(FlagTrial(label, finding.change, math.nan, None, math.nan, f"{type(exc).__name__}: {exc}",
                                     run_speedup=math.nan, run_steps=steps))
@@ -706,6 +720,18 @@ def one_flag_at_a_time(run: Callable[[TrainSpec], Evidence], spec: TrainSpec, fi
                                 _speedup(baseline, measured), tokens_per_s=_rate(measured), startup_s=startup,
                                 run_speedup=_run_speedup(baseline, measured, startup, steps), run_steps=steps))
     return trials
+
+
+def _over_the_limit(exc: TrialBudgetExceeded) -> str:
+    return (f"{exc} (a start-up such as a compile with a cold cache; --trial-limit SECONDS waits longer, 0 for "
+            "as long as it takes)")
+
+
+def _forget_compiled_code() -> None:
+    """After an abandoned trial: drop what dynamo compiled or began to, so the next trial starts clean."""
+    import torch
+
+    torch._dynamo.reset()
 
 
 def _rate(ev: Evidence) -> float | None:
@@ -738,8 +764,8 @@ def _run_speedup(base: Evidence, measured: Evidence, startup_s: float, steps: in
 def ranked_trials(trials: Sequence[FlagTrial]) -> list[FlagTrial]:
     """The baseline, then the changes by their gain over the whole job (start-up included), failed ones last."""
     base = [t for t in trials if t.label == "baseline"]
-    ran = [t for t in trials if t.label != "baseline" and t.error is None]
-    failed = [t for t in trials if t.label != "baseline" and t.error is not None]
+    ran = [t for t in trials if t.label != "baseline" and t.measured]
+    failed = [t for t in trials if t.label != "baseline" and not t.measured]
     return base + sorted(ran, key=lambda t: -t.run_speedup if not math.isnan(t.run_speedup) else math.inf) + failed
 
 
@@ -765,6 +791,8 @@ def format_trials(trials: Sequence[FlagTrial]) -> str:
         rate = f"{trial.tokens_per_s:.0f}" if trial.tokens_per_s else "-"
         if trial.error:
             lines.append(f"{trial.label:<44} failed: {trial.error}")
+        elif trial.not_measured:
+            lines.append(f"{trial.label:<44} not measured: {trial.not_measured}")
         else:
             lines.append(f"{trial.label:<44} {trial.step_ms:>11.1f} {rate:>9} {trial.speedup:>8.2f}x "
                          f"{trial.startup_s:>10.1f} {trial.run_speedup:>14.2f}x {peak:>9}")
@@ -800,6 +828,8 @@ def rank_findings(findings: Sequence[Finding], trials: Sequence[FlagTrial]) -> l
 def _measured_text(trial: FlagTrial) -> str:
     if trial.error:
         return f"failed ({trial.error}): not advised"
+    if trial.not_measured:
+        return f"not measured ({trial.not_measured})"
     over = f"the job's {trial.run_steps} steps" if trial.run_steps else "the job"
     verdict = "advised" if trial.advised else "not advised"
     return (f"{trial.speedup:.2f}x per step (p50 {trial.step_ms:.1f} ms), {trial.run_speedup:.2f}x over {over} with "

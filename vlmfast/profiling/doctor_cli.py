@@ -5,6 +5,7 @@ Usage::
     vlmfast doctor                                  # the built-in tiny VLM
     vlmfast doctor run.yaml --task mypkg.jobs:build --steps 30
     vlmfast doctor run.yaml --apply                 # also run each suggested change alone and measure its gain
+    vlmfast doctor --apply --trial-limit 0          # ... waiting for a change's start-up however long (a compile)
     vlmfast doctor run.yaml --out doctor/ --json doctor/diagnosis.json   # keep the trace, plot and findings
 
 In cli.py: ``from vlmfast.profiling.doctor_cli import add_doctor_command; add_doctor_command(sub)``.
@@ -16,6 +17,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -33,6 +35,9 @@ def add_doctor_command(subparsers: Any) -> argparse.ArgumentParser:
     doctor.add_argument("--steps", type=int, default=20, help="optimizer steps to profile (default 20)")
     doctor.add_argument("--apply", action="store_true",
                         help="then re-run with each suggested change alone and report its measured gain")
+    doctor.add_argument("--trial-limit", type=float, default=None, metavar="SECONDS",
+                        help="--apply: abandon a change's run past this many seconds, its row 'not measured' (a "
+                        "compile with a cold cache); default: 3x the baseline run, at least 20 s; 0: no limit")
     doctor.add_argument("--out", default=None, help="folder for the profiler trace, the step-time plot and metrics")
     doctor.add_argument("--json", default=None, help="also write the findings (and trials) to this JSON file")
     doctor.set_defaults(run=_cmd_doctor)
@@ -46,7 +51,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     def build_job() -> Any:
         return run_task(args.task, spec.seed, args.samples)
 
-    report = run_doctor(spec, build_job, steps=args.steps, apply=args.apply, out_dir=args.out)
+    report = run_doctor(spec, build_job, steps=args.steps, apply=args.apply, out_dir=args.out,
+                        trial_limit_s=args.trial_limit)
     if report is None:  # not rank 0
         return 0
     print(report["text"])
@@ -57,9 +63,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
-               out_dir: str | None = None) -> dict[str, Any] | None:
+               out_dir: str | None = None, trial_limit_s: float | None = None) -> dict[str, Any] | None:
     """Profile `steps` steps of the job `build_job()` -> (model, dataset, collate_fn) returns, diagnose, and with
-    `apply` measure each suggested change alone. Returns findings, trials and the printable text (None off rank 0)."""
+    `apply` measure each suggested change alone, each within `trial_limit_s` (None: 3x the baseline run, at least
+    20 s; 0: no limit; vlmfast.profiling.trial_budget). Returns findings, trials and the printable text (None off
+    rank 0)."""
     from vlmfast.profiling.doctor import (
         diagnose,
         doctor_spec,
@@ -68,6 +76,7 @@ def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
         one_flag_at_a_time,
         rank_findings,
     )
+    from vlmfast.profiling.trial_budget import trial_budget_for
 
     main_process = [True]
     # The baseline's trace is printed (report line, findings), so it is kept: in --out, else in a folder of its own
@@ -83,13 +92,15 @@ def run_doctor(spec: Any, build_job: Any, steps: int = 20, apply: bool = False,
         return collect_evidence(trainer, result)
 
     print(f"vlmfast doctor: profiling {steps} steps ...", file=sys.stderr)
+    started = time.monotonic()
     evidence = run(spec, out_dir, trace=True)
+    limit = trial_budget_for(time.monotonic() - started) if trial_limit_s is None else trial_limit_s or None
     findings = diagnose(evidence)
     trials = []
     if apply and any(f.change for f in findings):
-        print(f"vlmfast doctor: measuring {sum(bool(f.change) for f in findings)} change(s) one at a time ...",
-              file=sys.stderr)
-        trials = one_flag_at_a_time(run, spec, findings, baseline=evidence)
+        print(f"vlmfast doctor: measuring {sum(bool(f.change) for f in findings)} change(s) one at a time"
+              + (f", each within {limit:.0f} s" if limit else "") + " ...", file=sys.stderr)
+        trials = one_flag_at_a_time(run, spec, findings, baseline=evidence, limit_s=limit)
         findings = rank_findings(findings, trials)  # by the measured gain over the job: no advice the table refutes
     text = format_findings(findings, evidence)
     if trials:
