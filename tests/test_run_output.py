@@ -118,3 +118,17 @@ def test_the_final_checkpoint_is_printed_and_in_the_report_and_a_finished_run_re
     assert again.report is None and again.history == [] and again.eval_history == [] and again.eval_loss is None
     assert again.resumed_from == final == again.checkpoint and again.exported is None
     assert (tmp_path / "export" / "model.safetensors").stat().st_mtime_ns == exported  # not exported again
+
+
+def test_vlmfast_train_of_a_finished_run_says_nothing_to_do_and_exits_0(tmp_path, capsys):
+    from vlmfast.cli.main import main
+
+    argv = ["train", "--samples", "32", "--set", "max_steps=1", "--set", "batch_size=4", "--set", "log.progress=off",
+            "--set", f"save.dir={tmp_path / 'ckpt'}"]
+    assert main(argv) == 0
+    assert "held-out loss" in capsys.readouterr().err
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"nothing to do: {tmp_path / 'ckpt' / 'step_00000001'} is at step 1 and max_steps is 1 "
+                                "(raise max_steps to train further)"]
+
