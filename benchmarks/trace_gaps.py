@@ -24,7 +24,7 @@ from _common import write_result
 from vlmfast.bench.configs import best_spec
 from vlmfast.bench.runners import Settings, vlmfast_run
 from vlmfast.bench.trace_gaps import reduce_trace
-from vlmfast.bench.workload import build_workload
+from vlmfast.bench.workload_builder import build_workload
 from vlmfast.common.utils import resolve_device
 
 

@@ -16,7 +16,8 @@ from vlmfast.bench.harness import run_comparison
 from vlmfast.bench.headroom import run_headroom
 from vlmfast.bench.report import comparison_markdown, environment, update_doc, write_results
 from vlmfast.bench.runners import _deep_merge
-from vlmfast.bench.workload import SIZES, build_workload
+from vlmfast.bench.workload import SIZES
+from vlmfast.bench.workload_builder import build_workload
 from vlmfast.spec import TrainSpec
 
 CPU = torch.device("cpu")

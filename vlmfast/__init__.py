@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the names below load on first use (PEP 562): `import vlmfas
     from vlmfast.train.loop import DataLoaderTimeoutError, OptimizedTrainer  # the data package loads via train
     from vlmfast.train.state import FitResult, TrainState
 
-__version__ = "0.1.0"
+from vlmfast.version import __version__  # pyproject.toml repeats it
 
 # public name -> (module, attribute in it; None: the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {

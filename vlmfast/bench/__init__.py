@@ -17,7 +17,8 @@ from vlmfast.bench.configs import BenchConfig, build_configs, skip_reason
 from vlmfast.bench.harness import run_comparison
 from vlmfast.bench.headroom import run_headroom
 from vlmfast.bench.runners import RunResult, Settings
-from vlmfast.bench.workload import SIZES, Workload, build_workload
+from vlmfast.bench.workload import SIZES, Workload
+from vlmfast.bench.workload_builder import build_workload
 
 __all__ = ["SIZES", "BenchConfig", "RunResult", "Settings", "Workload", "build_configs", "build_workload",
            "run_comparison", "run_headroom", "skip_reason"]

@@ -149,7 +149,8 @@ def _compare(args: argparse.Namespace, device: Any, size: str, path: Path) -> Pa
     from vlmfast.bench.configs import BEST_REASONS, START, build_configs
     from vlmfast.bench.harness import run_comparison
     from vlmfast.bench.report import comparison_markdown, environment, write_results
-    from vlmfast.bench.workload import SIZES, build_workload
+    from vlmfast.bench.workload import SIZES
+    from vlmfast.bench.workload_builder import build_workload
 
     workload = build_workload(size, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
                               toy=_toy(args, size))
@@ -183,7 +184,7 @@ def _toy(args: argparse.Namespace, size: str) -> bool:
 def _headroom(args: argparse.Namespace, device: Any, size: str, path: Path) -> Path:
     from vlmfast.bench.headroom import run_headroom
     from vlmfast.bench.report import environment, headroom_markdown, write_results
-    from vlmfast.bench.workload import build_workload
+    from vlmfast.bench.workload_builder import build_workload
 
     workload = build_workload(size, steps=1, warmup=0, batch_size=args.batch_size)
     max_size = 2 * workload.batch_size if args.quick else 16 * workload.batch_size

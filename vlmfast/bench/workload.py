@@ -38,7 +38,7 @@ from vlmfast.models import ShapesCaptionDataset, TinyVLM, TinyVLMConfig, VLMColl
 from vlmfast.profiling import analytic_flops, transformer_flops
 from vlmfast.profiling.flops import describe_towers
 
-__all__ = ["MODEL_SIZES", "SIZES", "BenchDataset", "BenchSize", "Workload", "build_workload", "evaluate_loss"]
+__all__ = ["MODEL_SIZES", "SIZES", "BenchDataset", "BenchSize", "Workload", "build_shapes_workload", "evaluate_loss"]
 
 # Model configurations (TinyVLMConfig fields); "base" is benchmarks/mfu.py's ~150M-parameter VLM-like model.
 MODEL_SIZES: dict[str, dict[str, Any]] = {
@@ -230,22 +230,15 @@ def _flops_coefficients(model: nn.Module, image_tokens: int,
     return a, b, c - v, v
 
 
-def build_workload(size: str = "cpu", steps: int | None = None, warmup: int | None = None, seed: int = 0,
-                   batch_size: int | None = None, toy: bool = False) -> Workload:
-    """The shared model init, data order and held-out batches for a size in :data:`SIZES` (steps and warm-up steps:
-    the size's defaults unless given; ``toy``: the same classes at a tiny scale, for a dry run on a CPU: gpu-1b).
+def build_shapes_workload(size: str = "cpu", steps: int | None = None, warmup: int | None = None, seed: int = 0,
+                          batch_size: int | None = None) -> Workload:
+    """The shared model init, data order and held-out batches of a size whose model is the built-in tiny VLM
+    (captions or multi-image data); steps and warm-up steps: the size's defaults unless given. Every size goes
+    through :func:`vlmfast.bench.workload_builder.build_workload`.
 
-    Usage: ``workload = build_workload("cpu", steps=40, warmup=5)``
+    Usage: ``workload = build_shapes_workload("cpu", steps=40, warmup=5)``
     """
-    if size not in SIZES:
-        raise ValueError(f"unknown benchmark size '{size}': choose from {sorted(SIZES)}")
     bench = SIZES[size]
-    if bench.data == "processor":
-        from vlmfast.bench.hf_vlm import build_hf_workload
-
-        return build_hf_workload(size, steps=steps, warmup=warmup, seed=seed, batch_size=batch_size, toy=toy)
-    if toy:
-        raise ValueError(f"benchmark size '{size}' has no toy scale (gpu-1b has): it is small already")
     steps = bench.steps if steps is None else steps
     warmup = bench.warmup if warmup is None else warmup
     batch = batch_size or bench.batch_size

@@ -153,7 +153,7 @@ def _write_export(model: nn.Module, directory: Path, merge: bool) -> nn.Module:
 def _export_record(model: nn.Module, kind: str, task: str | None) -> dict[str, Any]:
     """vlmfast_export.json: the kind; for a plain module (safetensors) its class, and its constructor config where
     the constructor takes a dataclass ``config`` the model holds, else the task that built it."""
-    from vlmfast import __version__
+    from vlmfast.version import __version__
 
     record: dict[str, Any] = {"format": EXPORT_FORMAT, "kind": kind, "vlmfast_version": __version__}
     module = _plain_module(model)
