@@ -1,17 +1,22 @@
-"""`num_workers: auto`: time a few batches at candidate worker counts and keep the fastest.
+"""`num_workers: auto`: time a few batches at candidate worker counts and keep the fewest that keep up.
 
 Each candidate gets an equal share of the time budget. The first batch of a candidate pays for worker start-up and
 is timed apart; the rate is the mean time per batch after it. Counts are bounded by the CPUs this process may use
 and by the memory a worker may need. The choice:
 
 - 0 workers when a batch loads in under `negligible_s` in the training process (workers would only add overhead);
-- otherwise the smallest worker count within `tolerance` of the best worker rate. Even one worker beats loading in
-  the training process at the same rate, because it loads while the step computes; fewer workers leave more CPU to
-  the step and hold less memory.
+- with the step's time known (`step_s`: the trainer estimates it before any worker starts), the fewest workers whose
+  rate is at least `margin` x the step rate: the step never waits, and every worker more would only compete with
+  the training process for CPU and memory (16 workers on an H200 host where 4 kept up: issue 33). Candidates are
+  measured in increasing order and the search stops at the first that keeps up, so no more are ever started;
+- otherwise (step time unknown, or no count keeps up) the smallest worker count within `tolerance` of the best
+  worker rate. Even one worker beats loading in the training process at the same rate, because it loads while the
+  step computes.
 
 Usage::
 
     choice = autotune_num_workers(lambda n: DataLoader(dataset, batch_size=16, num_workers=n), budget_s=10)
+    choice = autotune_num_workers(make_loader, budget_s=10, step_s=0.150)   # the fewest that keep up with 150 ms
     choice.num_workers, choice.reason, choice.table      # also logged
 """
 
@@ -54,10 +59,12 @@ class AutotuneResult:
     table: list[WorkerTiming] = field(default_factory=list)
     max_workers: int = 0
     bound_by: str = ""
+    step_s: float | None = None  # the step time the choice kept up with (None: not known)
 
     def as_dict(self) -> dict[str, Any]:
         return {"num_workers": self.num_workers, "reason": self.reason, "max_workers": self.max_workers,
-                "bound_by": self.bound_by, "table": [vars(t) | {"batches_per_s": t.batches_per_s} for t in self.table]}
+                "bound_by": self.bound_by, "step_s": self.step_s,
+                "table": [vars(t) | {"batches_per_s": t.batches_per_s} for t in self.table]}
 
 
 def max_worker_count(limit: int | None = None) -> tuple[int, str]:
@@ -104,12 +111,14 @@ def autotune_num_workers(
     max_workers: int | None = None,
     tolerance: float = 0.1,
     negligible_s: float = 0.001,
+    step_s: float | None = None,
+    margin: float = 1.5,
 ) -> AutotuneResult:
     """Measure `make_loader(n)` for candidate worker counts n and choose (see the module docstring)."""
     limit, bound_by = max_worker_count(max_workers)
     candidates = candidate_counts(limit)
     share = budget_s / len(candidates)
-    table = []
+    table: list[WorkerTiming] = []
     for count in candidates:
         loader = make_loader(count)
         iterator = iter(loader)
@@ -118,10 +127,37 @@ def autotune_num_workers(
         finally:
             _shutdown(iterator)
         table.append(WorkerTiming(count, batches, first, per_batch))
-    result = _choose(table, tolerance, negligible_s)
-    result.max_workers, result.bound_by = limit, bound_by
+        if step_s and count > 0 and _keeps_up(table[-1], step_s, margin):
+            break  # the fewest that keep up: more would only be forked to compete with the step
+    result = _choose_for_step(table, step_s, margin, negligible_s) if step_s else None
+    result = result or _choose(table, tolerance, negligible_s)
+    result.max_workers, result.bound_by, result.step_s = limit, bound_by, step_s
     log.info("num_workers auto: %s\n%s", result.reason, format_table(table))
     return result
+
+
+def _keeps_up(timing: WorkerTiming, step_s: float, margin: float) -> bool:
+    return timing.seconds_per_batch is not None and timing.batches_per_s >= margin / step_s
+
+
+def _choose_for_step(table: list[WorkerTiming], step_s: float, margin: float,
+                     negligible_s: float) -> AutotuneResult | None:
+    """The fewest workers keeping up with `step_s` (with `margin`); None when none does (the caller falls back)."""
+    in_process = table[0]
+    if in_process.seconds_per_batch is not None and in_process.seconds_per_batch <= negligible_s:
+        return None  # the negligible rule's 0 workers
+    keeping_up = [t for t in table[1:] if _keeps_up(t, step_s, margin)]
+    if not keeping_up:
+        return None
+    chosen = min(keeping_up, key=lambda t: t.num_workers)
+    return AutotuneResult(
+        chosen.num_workers, f"picked {chosen.num_workers} workers, the fewest that load {chosen.batches_per_s:.1f} "
+        f"batches/s, at least {margin:g}x the step's {1 / step_s:.1f} steps/s ({step_s * 1e3:.0f} ms per step, "
+        f"estimated before training); batches/s by workers: {_rates(table)}", table)
+
+
+def _rates(table: list[WorkerTiming]) -> str:
+    return ", ".join(f"{t.num_workers}: {t.batches_per_s:.1f}" for t in table if t.seconds_per_batch)
 
 
 def _choose(table: list[WorkerTiming], tolerance: float, negligible_s: float) -> AutotuneResult:
@@ -137,7 +173,7 @@ def _choose(table: list[WorkerTiming], tolerance: float, negligible_s: float) ->
     best = max(measured, key=lambda t: t.batches_per_s)
     chosen = min((t for t in measured if t.batches_per_s >= (1 - tolerance) * best.batches_per_s),
                  key=lambda t: t.num_workers)
-    rates = ", ".join(f"{t.num_workers}: {t.batches_per_s:.1f}" for t in table if t.seconds_per_batch)
+    rates = _rates(table)
     why = "the fastest" if chosen is best else f"the fewest within {tolerance:.0%} of the fastest ({best.num_workers})"
     cost = f"{in_process.seconds_per_batch * 1e3:.1f} ms" if in_process.seconds_per_batch else "too long to measure"
     return AutotuneResult(chosen.num_workers, f"picked {chosen.num_workers} workers, {why}; in the training process a "

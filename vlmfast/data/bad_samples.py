@@ -20,6 +20,8 @@ Usage (the trainer's ResumableLoader does this for every Dataset)::
 from __future__ import annotations
 
 import logging
+import random
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,28 +57,55 @@ class FailedSample:
 
 class IndexedDataset(Dataset):
     """Yields ``(index, sample)``, or ``(index, FailedSample)`` when ``data[index]`` raises, so the collate step
-    can name and skip the sample."""
+    can name and skip the sample.
 
-    def __init__(self, data: Dataset) -> None:
+    A key may be ``(epoch, index)`` (:class:`~vlmfast.data.run_batches.RunBatches` yields those): in a DataLoader
+    worker with a `seed`, the sample's random numbers (torch, random, numpy) are then seeded from the seed, the epoch
+    and the index, so an augmentation draws the same numbers whichever worker reads the sample, with any worker
+    count, and after a resume. Not in the training process, whose generators drive dropout.
+    """
+
+    def __init__(self, data: Dataset, seed: int | None = None) -> None:
         self.data = data
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.data)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> tuple[int, Any]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[int, Any]:
+        index = self._index(key)
         try:
             return index, self.data[index]
         except Exception as exc:  # any reader error: PIL, OSError, a user's KeyError
             return index, FailedSample(f"reading it raised {_one_line(exc)}")
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[int, Any]]:
+    def __getitems__(self, keys: Sequence[int | tuple[int, int]]) -> list[tuple[int, Any]]:
         many = getattr(self.data, "__getitems__", None)  # batched readers (Hugging Face datasets) stay batched
         if many is not None:
+            indices = [self._index(key) for key in keys]
             try:
-                return list(zip(indices, many(list(indices)), strict=True))
+                return list(zip(indices, many(indices), strict=True))
             except Exception:
                 pass  # one sample spoiled the batch read: find it sample by sample
-        return [self[i] for i in indices]
+        return [self[key] for key in keys]
+
+    def _index(self, key: int | tuple[int, int]) -> int:
+        if not isinstance(key, tuple):
+            return key
+        epoch, index = key
+        if self.seed is not None and get_worker_info() is not None:
+            seed_sample(self.seed, epoch, index)
+        return index
+
+
+def seed_sample(seed: int, epoch: int, index: int) -> None:
+    """Seed this process's torch, random and numpy generators for sample `index` of `epoch` (a worker's own)."""
+    value = ((seed * 1_000_003 + epoch) * 2_147_483_659 + index) % 2**63
+    torch.manual_seed(value)
+    random.seed(value)
+    numpy = sys.modules.get("numpy")  # only when the data code uses it: importing it here would cost every worker
+    if numpy is not None:
+        numpy.random.seed(value % 2**32)
 
 
 class BadSampleCounts:

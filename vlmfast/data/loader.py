@@ -40,6 +40,7 @@ from vlmfast.data.bad_samples import BadSampleCounts, CheckedCollate, IndexedDat
 from vlmfast.data.fingerprint import data_fingerprint
 from vlmfast.data.micro_batches import SampleBatch, SampleCollate
 from vlmfast.data.rank_balance import CostModel, RankBalancedBatchSampler, sample_metadata
+from vlmfast.data.run_batches import RunBatches
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.data.samplers import LengthGroupedSampler, check_groupable, dataset_lengths
 from vlmfast.data.timeout import DataLoaderTimeoutError, LoaderThread, timeout_message, wait_for
@@ -104,17 +105,24 @@ class ResumableLoader:
         sample_check: SampleCheck | None = None,
         micro_batch_size: int | None = None,
         cost_model: CostModel | None = None,
+        step_seconds: Callable[[], float | None] | None = None,
     ) -> None:
         """`sample_check`: the host-side checks of every batch (data.check_samples; default: without the model's
-        vocabulary, so ids are not range-checked: the trainer passes ``SampleCheck.for_model``)."""
+        vocabulary, so ids are not range-checked: the trainer passes ``SampleCheck.for_model``). `step_seconds`: with
+        num_workers auto, an estimate of the training step's time (called once, before any worker starts): the
+        fewest workers that keep up with it are chosen."""
         self.batch_size = batch_size
         self.collate_fn = collate_fn
         # One shared cell: the trainer's size reaches the worker processes, whose collate reads it per batch.
         self._micro_batch_size = torch.tensor([micro_batch_size or 0], dtype=torch.int64).share_memory_()
         self.epoch = 0
         self.batch_in_epoch = 0
-        self._skip = 0
         self._iterator: Iterator[Any] | None = None
+        self._run: RunBatches | None = None  # a Dataset's batches: the whole run in one DataLoader iteration
+        self._limit: int | None = None  # batches the run still needs (start()); none loaded past them
+        self._delivered = 0  # batches handed out since start()
+        self._per_epoch = 1  # batches per epoch of a Dataset (the position rolls over after them)
+        self._drop_last = spec.drop_last
         self.sampler: EpochSampler | LengthGroupedSampler | RankBalancedBatchSampler | None = None
         self.autotune: AutotuneResult | None = None  # with num_workers auto: the measured choice and why
         self.bad_samples = BadSampleCounts()  # samples read / bad ones skipped (a user DataLoader's: not seen)
@@ -137,6 +145,10 @@ class ResumableLoader:
                 # Stop signals are the main process's: a scheduler's SIGTERM to the group must not kill workers.
                 data.worker_init_fn = functools.partial(worker_ignores_stop_signals, init=data.worker_init_fn,
                                                         main_pid=os.getpid())
+            if data.num_workers > 0 and not data.persistent_workers:
+                log.warning("the DataLoader's %d workers are started again at every epoch: each start forks the "
+                            "training process and stalls the step; pass persistent_workers=True to the DataLoader, "
+                            "or pass the Dataset and let vlmfast load it (its workers start once)", data.num_workers)
             if world_size > 1 and not hasattr(data.sampler, "set_epoch"):
                 log.warning("%d ranks share a user DataLoader without a DistributedSampler: every rank may see the "
                             "same batches; pass the Dataset instead and vlmfast shards it", world_size)
@@ -150,7 +162,7 @@ class ResumableLoader:
         collate = SampleCollate(collate_fn, self._micro_batch_size) if micro_batch_size else collate_fn
         checked = CheckedCollate(collate, self.bad_samples, spec.max_bad_sample_fraction, indexed=not stream,
                                  check=check, check_mode=spec.check_samples)
-        source = data if stream else IndexedDataset(data)
+        source = data if stream else IndexedDataset(data, seed=seed)  # per-sample seeds in workers
         if stream:
             self._configure_stream(data, spec, world_size)
             sampler, generator = None, None
@@ -173,18 +185,22 @@ class ResumableLoader:
             else:
                 self.sampler = sampler = EpochSampler(num_samples, seed, spec.shuffle, rank, world_size)
             generator = torch.Generator().manual_seed(seed)  # deterministic worker seeds
+            self._drop_last = spec.drop_last or isinstance(sampler, RankBalancedBatchSampler)
+            self._run = RunBatches(sampler, batch_size, spec.drop_last,
+                                   yields_batches=isinstance(sampler, RankBalancedBatchSampler))
+            self._per_epoch = self.batches_per_epoch(num_samples) or 1
 
         def build(num_workers: int, persistent: bool = spec.persistent_workers) -> DataLoader:
             kwargs = _loader_kwargs(spec, pin_memory, num_workers, persistent)
-            if isinstance(sampler, RankBalancedBatchSampler):  # shares of varying size: a batch sampler
-                return DataLoader(source, batch_sampler=sampler, collate_fn=checked, generator=generator, **kwargs)
-            return DataLoader(source, batch_size=batch_size, sampler=sampler, collate_fn=checked,
-                              drop_last=spec.drop_last, generator=generator, **kwargs)
+            if self._run is not None:  # the run's batches, epoch after epoch, in one iteration (see run_batches.py)
+                return DataLoader(source, batch_sampler=self._run, collate_fn=checked, generator=generator, **kwargs)
+            return DataLoader(source, batch_size=batch_size, collate_fn=checked, drop_last=spec.drop_last, **kwargs)
 
         num_workers = spec.num_workers
         if num_workers == "auto":
+            step_s = step_seconds() if step_seconds is not None else None
             self.autotune = autotune_num_workers(lambda n: build(n, persistent=False), spec.autotune_budget_s,
-                                                 spec.autotune_max_workers)
+                                                 spec.autotune_max_workers, step_s=step_s)
             num_workers = self.autotune.num_workers
             if hasattr(data, "reset_counts"):  # the measurement's reads are not part of training
                 data.reset_counts()
@@ -230,35 +246,75 @@ class ResumableLoader:
             self._failed = exc
             raise
 
+    def start(self, batches: int | None = None) -> None:
+        """Start loading now, in the calling thread (worker processes start here, before any step, never from a
+        prefetch thread or mid-run), the next `batches` batches and no more (None: no end). After them the loader
+        raises StopIteration until ``close()``, ``load_state_dict()`` or another ``start()``.
+
+        Usage: ``loader.start(spec.max_steps - state.step)`` after a resume has set the position."""
+        self._close_iterator()
+        self._limit, self._delivered = batches, 0
+        self._iterator = self._start_run() if self._run is not None else self._start_epoch()
+
     def _next(self) -> Any:
+        if self._run is None:
+            return self._next_of_epochs()
+        if self._limit is not None and self._delivered >= self._limit:
+            raise StopIteration  # the run has what it needs: nothing is read past it
+        if self._iterator is None:
+            self._iterator = self._start_run()
+        try:
+            batch = self._receive()
+        except StopIteration:
+            self._iterator = None
+            raise RuntimeError("the training data yielded no batch in a whole epoch: is it empty, or smaller than "
+                               "batch_size with drop_last?") from None
+        if self.batch_in_epoch >= self._per_epoch:  # the position rolls over when the next epoch's first
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0  # batch is handed out (as a per-epoch iteration's)
+        self._delivered += 1
+        return self._handed_out(batch)
+
+    def _start_run(self) -> Iterator[Any]:
+        assert self._run is not None
+        left = None if self._limit is None else self._limit - self._delivered
+        self._run.start_at(self.epoch, self.batch_in_epoch, left)
+        with stop_signals_blocked():  # new workers start with SIGTERM/SIGINT blocked (see vlmfast.train.interrupt)
+            return iter(self.loader)
+
+    def _next_of_epochs(self) -> Any:
+        """A stream or a user DataLoader: one iteration per epoch (their workers persist across epochs by default)."""
         for _ in range(2):  # at most one epoch boundary per call
             if self._iterator is None:
                 self._iterator = self._start_epoch()
             try:
-                batch = next(self._iterator)
+                batch = self._receive()
             except StopIteration:
                 self._iterator = None
                 self.epoch += 1
                 self.batch_in_epoch = 0
                 continue
-            except RuntimeError as exc:  # a worker's batch did not come within the DataLoader's timeout
-                if "DataLoader timed out" not in str(exc):
-                    raise
-                self._failed = DataLoaderTimeoutError(timeout_message(self.timeout_s or self.loader.timeout,
-                                                                      self.describe_pending()))
-                raise self._failed from exc
-            self.batch_in_epoch += 1
-            if isinstance(batch, SampleBatch):  # not pickled with every batch: attached on this side
-                batch.collate_fn, batch.on_resize = self.collate_fn, self.set_micro_batch_size
-            return batch
+            return self._handed_out(batch)
         raise RuntimeError("the training data yielded no batch in a whole epoch: is it empty, or smaller than "
                            "batch_size with drop_last?")
 
+    def _receive(self) -> Any:
+        assert self._iterator is not None
+        try:
+            return next(self._iterator)
+        except RuntimeError as exc:  # a worker's batch did not come within the DataLoader's timeout
+            if "DataLoader timed out" not in str(exc):
+                raise
+            self._failed = DataLoaderTimeoutError(timeout_message(self.timeout_s or self.loader.timeout,
+                                                                  self.describe_pending()))
+            raise self._failed from exc
+
+    def _handed_out(self, batch: Any) -> Any:
+        self.batch_in_epoch += 1
+        if isinstance(batch, SampleBatch):  # not pickled with every batch: attached on this side
+            batch.collate_fn, batch.on_resize = self.collate_fn, self.set_micro_batch_size
+        return batch
+
     def _start_epoch(self) -> Iterator[Any]:
-        if self.sampler is not None:
-            self.sampler.set_position(self.epoch, self.batch_in_epoch * self.batch_size)
-            with stop_signals_blocked():  # new workers start with SIGTERM/SIGINT blocked (see vlmfast.train.interrupt)
-                return iter(self.loader)
         for source in (self.loader.sampler, self.loader.dataset):  # DistributedSampler, shard readers
             if hasattr(source, "set_epoch"):
                 source.set_epoch(self.epoch)
@@ -275,11 +331,14 @@ class ResumableLoader:
     def describe_pending(self) -> str:
         """The batch being loaded: its sample indices (from the sampler), its place in the epoch, and the DataLoader
         worker it was sent to. Usage: in the DataLoaderTimeoutError's message."""
-        where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
+        epoch, batch = self.epoch, self.batch_in_epoch
+        if self._run is not None and batch >= self._per_epoch:
+            epoch, batch = epoch + 1, 0
+        where = f"batch {batch} of epoch {epoch}"
         if isinstance(self.sampler, RankBalancedBatchSampler):
-            where = f"the samples at indices {self.sampler.share(self.batch_in_epoch)} ({where})"
-        elif self.sampler is not None:
-            start = self.batch_in_epoch * self.batch_size
+            where = f"the samples at indices {self.sampler.share(batch)} ({where})"
+        elif self.sampler is not None and self.sampler.epoch == epoch:  # read ahead into another epoch: its order
+            start = batch * self.batch_size  # would need the sampler moved back, under the loading thread's feet
             where = f"the samples at indices {self.sampler._indices()[start:start + self.batch_size]} ({where})"
         task = getattr(self._iterator, "_task_info", {}).get(getattr(self._iterator, "_rcvd_idx", None))
         if task:
@@ -309,10 +368,10 @@ class ResumableLoader:
         """Batches per epoch on this rank for a dataset of `length` samples (None: unknown, a stream)."""
         if length is None:
             return None
-        loader = self.loader
-        batch_size = loader.batch_size or self.batch_size
-        per_rank = length // self.world_size if self.sampler is not None else length
-        drop_last = loader.drop_last or isinstance(self.sampler, RankBalancedBatchSampler)
+        if self._run is not None:  # vlmfast's samplers: equal per-rank shares
+            per_rank, batch_size, drop_last = length // self.world_size, self.batch_size, self._drop_last
+        else:  # a user DataLoader (its sampler shards) or a stream
+            per_rank, batch_size, drop_last = length, self.loader.batch_size or self.batch_size, self.loader.drop_last
         return per_rank // batch_size if drop_last else -(-per_rank // batch_size)
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
@@ -325,9 +384,14 @@ class ResumableLoader:
         return self.bad_samples.as_dict()
 
     def close(self) -> None:
-        """Shut the loader's worker processes down now (they would otherwise live until garbage collection)."""
+        """Shut the loader's worker processes down now (they would otherwise live until garbage collection); a
+        later batch starts a new iteration with no end (the doctor reads a few after training)."""
         if self._thread is not None:  # not joined: a load still running (stuck, or cut short by Ctrl-C) is abandoned
             self._thread.shutdown(wait=False)  # later batches start a new thread (still bounded by data.timeout_s)
+        self._close_iterator()
+        self._limit = None
+
+    def _close_iterator(self) -> None:
         for iterator in (self._iterator, getattr(self.loader, "_iterator", None)):  # persistent workers: the latter
             shutdown = getattr(iterator, "_shutdown_workers", None)
             if shutdown is not None:
@@ -339,7 +403,8 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
-        self._iterator = None
+        self._close_iterator()
+        self._limit = None
 
 
 def _loader_kwargs(spec: DataSpec, pin_memory: bool, num_workers: int, persistent: bool) -> dict[str, Any]:

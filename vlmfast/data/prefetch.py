@@ -222,7 +222,8 @@ class DevicePrefetcher:
 
 def device_batches(loader: Iterator[Any], spec: DataSpec, device: torch.device) -> Any:
     """The trainer's batch source for `spec`: `loader` itself, or a DevicePrefetcher with the image transform."""
-    if not (spec.device_prefetch or spec.device_image_size):
+    prefetch = spec.device_prefetch if spec.device_prefetch is not None else device.type == "cuda"
+    if not (prefetch or spec.device_image_size):
         return loader
     transform = None
     if spec.device_image_size:

@@ -146,7 +146,8 @@ class RankBalancedBatchSampler(Sampler[list[int]]):
         self.rank, self.world_size = rank, world_size
         self.group_lengths, self.group_mode = group_lengths, group_mode
         self.epoch, self.start_batch = 0, 0
-        self.deals: dict[int, tuple[float, float]] = {}  # batch of the epoch -> (imbalance dealt, positional)
+        # (epoch, batch of the epoch) -> (imbalance dealt, positional); the loader reads ahead across epochs
+        self.deals: dict[tuple[int, int], tuple[float, float]] = {}
 
     def set_position(self, epoch: int, start: int) -> None:
         self.epoch, self.start_batch = epoch, start // self.batch_size
@@ -172,7 +173,8 @@ class RankBalancedBatchSampler(Sampler[list[int]]):
         indices = order[batch * width:(batch + 1) * width]
         costs = [self.costs[i] for i in indices]
         shares = deal(costs, self.world_size)
-        self.deals[batch] = (imbalance(costs, shares), imbalance(costs, positional_shares(len(costs), self.world_size)))
+        positional = positional_shares(len(costs), self.world_size)
+        self.deals[(self.epoch, batch)] = (imbalance(costs, shares), imbalance(costs, positional))
         return [indices[p] for p in shares[self.rank]]
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -58,6 +58,7 @@ from vlmfast.train.evaluation import evaluate_loss
 from vlmfast.train.interrupt import InterruptGuard
 from vlmfast.train.save_resume import needs_final_save, resume_run, run_checkpoint_bytes, save_run
 from vlmfast.train.state import FitResult, TrainState
+from vlmfast.train.step_estimate import estimate_step_seconds
 from vlmfast.train.straggler import ComputeClock, straggler_seconds
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ class OptimizedTrainer:
                             # budget's batch collated whole to plan on, its micro-batches then from their samples
                             micro_batch_size=None if spec.packing.enabled
                             else spec.batch_size if spec.micro_batch_tokens else spec.resolved_micro_batch_size,
-                            sample_check=sample_check, cost_model=self._cost_model(model)),
+                            sample_check=sample_check, cost_model=self._cost_model(model),
+                            step_seconds=self._estimate_step_seconds if spec.data.num_workers == "auto" else None),
             spec.data, self.device)
 
     def _cost_model(self, model: nn.Module) -> CostModel | None:
@@ -201,6 +203,23 @@ class OptimizedTrainer:
                     return
 
         return find_submodules(getattr(model, "_orig_mod", model), batches=probe_batches())  # compiled: eager parts
+
+    def _estimate_step_seconds(self) -> float | None:
+        """One step's time, from forward passes of the first samples (data.num_workers auto sizes the loader by it,
+        before any worker starts); None when the samples cannot be spared or run (the loader's rate alone decides)."""
+        size = self.spec.resolved_micro_batch_size
+        try:
+            samples = probe_samples(self.train_data, count=size)
+            if not samples:
+                return None
+            batch = self.engine.prepare_inputs(
+                move_to_device((self.collate_fn or torch.utils.data.default_collate)(samples), self.device))
+            return estimate_step_seconds(self.model, batch, self.device, self.forward_context,
+                                         micro_batches=-(-self.spec.batch_size // size))
+        except Exception as exc:  # a bad first sample is the loader's to skip and count, not the estimate's
+            log.info("num_workers auto: no step-time estimate (%s: %s); the loader's rate alone decides",
+                     type(exc).__name__, exc)
+            return None
 
     def _first_sample_batch(self) -> Any:
         """The first sample collated alone, on the device; None when it cannot be read or collated (a bad sample is
@@ -666,6 +685,8 @@ class OptimizedTrainer:
         """Report lines for the data-side switches, which are not strategies (they act in the loader)."""
         packing, grouping = self.spec.packing, self.spec.data.group_by_length
         lines = [f"packing: rows of {packing.max_tokens} tokens ({packing.algorithm})"] if packing.enabled else []
+        autotune = getattr(self.loader, "autotune", None)  # num_workers auto: the choice, the step rate, why
+        lines += [f"data: num_workers auto {autotune.reason}"] if autotune is not None else []
         return lines + ([f"data: grouped by {grouping.replace('_', ' ')}"] if grouping != "none" else [])
 
     def _write_report(self, report: RunReport) -> None:
