@@ -124,6 +124,7 @@ def test_vlmfast_train_of_a_finished_run_says_nothing_to_do_and_exits_0(tmp_path
     from vlmfast.cli.main import main
 
     argv = ["train", "--samples", "32", "--set", "max_steps=1", "--set", "batch_size=4", "--set", "log.progress=off",
+            "--set", "scheduler.warmup_steps=0",
             "--set", f"save.dir={tmp_path / 'ckpt'}"]
     assert main(argv) == 0
     assert "held-out loss" in capsys.readouterr().err
