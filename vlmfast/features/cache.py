@@ -53,6 +53,7 @@ __all__ = ["CacheStats", "FeatureCache"]
 log = logging.getLogger(__name__)
 
 FORMAT = "vlmfast-vision-cache/2"  # 2: records carry a checksum (stores of format 1 live in other folders)
+NOT_LEARNED_YET = "its image layout is learned on the first call with two or more images, and none came yet"
 CORRUPT_LIMIT = 3  # corrupt entries a store may hold before it is dropped: more is a damaged disk, not a stray bit
 TIMED_RUNS = 64  # tower runs whose (CUDA event) times are kept for the per-image tower time
 
@@ -113,6 +114,9 @@ class FeatureCache:
         self.preprocessing = json.dumps(preprocessing or {}, sort_keys=True, default=str)
         self.stats = CacheStats()
         self.disabled: str | None = None  # why the cache stopped serving (the tower runs as without it)
+        self.bypass_reason: str | None = None  # why the last call it could not serve was passed to the tower
+        self._bypass_said = False
+        self._model_showed_images = False  # a model forward's own inputs held images a candidate layout cuts
         self.stores: dict[bytes, FeatureStore] = {}
         self._params = [t for m in self.unit.modules.values() for t in (*m.parameters(), *m.buffers())]
         self._batchnorms = [m for mod in self.unit.modules.values() for m in mod.modules()
@@ -142,8 +146,10 @@ class FeatureCache:
     def _take_keys(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         adapter = self.unit.adapter
         if getattr(adapter, "learning", False) and self._trial is None and self.disabled is None \
-                and self._refusal(None) is None and adapter.images_in(kwargs) >= 2:
-            self.learn_layout(module, args, {k: v for k, v in kwargs.items() if k != KEYS_FIELD})
+                and self._refusal(None) is None and (shown := adapter.images_in(kwargs)):
+            self._model_showed_images = True
+            if shown >= 2:
+                self.learn_layout(module, args, {k: v for k, v in kwargs.items() if k != KEYS_FIELD})
         keys = kwargs.pop(KEYS_FIELD, None)
         if keys is None:
             return None
@@ -177,19 +183,20 @@ class FeatureCache:
                     try:
                         got = model_results(model.forward(*args, **kwargs))
                     except Exception as exc:  # a layout that cannot run this call is not the model's
-                        self._trial_error = self._trial_error or f"{type(exc).__name__}"
+                        self._trial_error = self._trial_error or _short(f"the model then raised "
+                                                                        f"{type(exc).__name__}: {exc}")
                         got = []
                     same = len(got) == len(reference) and all(map(tensors_close, got, reference))
                     if self._trial_error is None and same:
                         adapter.chosen = candidate
                         return
-                    reasons.append(f"{type(candidate).__name__}: {self._trial_error or 'other model outputs'}")
+                    reasons.append(f"{_layout(candidate)}: {self._trial_error or 'the model gives other outputs'}")
         finally:
             self._trial = None
             for module, training in modes:
                 module.training = training
-        adapter.failed = ("no image layout gives the model's own outputs when its image features are served per "
-                          f"image ({'; '.join(reasons)})")
+        adapter.failed = (f"no image layout gives the model's own outputs when the image features of "
+                          f"{self.unit.name} are served per image ({'; '.join(reasons)})")
         self._refuse(adapter.failed)
 
     def _trial_call(self, arguments: dict[str, Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -228,6 +235,8 @@ class FeatureCache:
             self._refuse(refusal)
         namespace = None if images is None or refusal else self._namespace(arguments, images)
         if namespace is None:
+            if refusal is None:
+                self._bypass(self._why_not_cached(arguments, images))
             self.stats.bypassed_calls += 1
             return self._original(*args, **kwargs)
         store = self._store(namespace)
@@ -291,6 +300,38 @@ class FeatureCache:
         if self.disabled is None:
             self.disabled = reason
             log.warning("vision_cache off: %s; the tower runs as without the cache", reason)
+
+    def _bypass(self, reason: str) -> None:
+        """A call the cache cannot serve (the tower runs as without it): said once, with why (unless the layout is
+        still to be learned: a later call may teach it); counted per step in ``vision_cache/bypassed`` and shown by
+        :meth:`describe`."""
+        if reason != NOT_LEARNED_YET and not self._bypass_said:
+            self._bypass_said = True
+            log.warning("vision_cache: a call of %s is not cached: %s; the tower runs as without the cache "
+                        "(vision_cache/bypassed counts such calls)", self.unit.name, reason)
+        self.bypass_reason = reason
+
+    def _why_not_cached(self, arguments: dict[str, Any] | None, images: CallImages | None) -> str:
+        if arguments is None:
+            return "its arguments cannot be bound by name (extra positional arguments)"
+        if images is not None:  # the split worked: an argument besides the images decides
+            tensors = [name for name, value in arguments.items() if isinstance(value, Tensor)
+                       and name not in images.args]
+            return (f"the call also takes {', '.join(tensors)}, per-call tensors its features depend on (no safe "
+                    "key per image)")
+        shapes = ", ".join(f"{name} {tuple(value.shape)}" if isinstance(value, Tensor) else f"{name} "
+                           f"{type(value).__name__}" for name, value in arguments.items() if value is not None)
+        adapter = self.unit.adapter
+        if getattr(adapter, "learning", False):
+            known = "; ".join(_layout(c) for c in adapter.candidates)
+            if adapter.images_in(arguments) == 0:
+                return f"no known image layout ({known}) cuts its arguments ({shapes}) into images"
+            if self._model_showed_images:
+                return NOT_LEARNED_YET
+            return (f"its layout was never learned: that takes a forward of the whole model whose own inputs hold two "
+                    f"or more images in an argument a known layout cuts ({known}), and this model's inputs hold them "
+                    f"in another form (its call gets {shapes})")
+        return f"its arguments ({shapes}) do not fit the image layout ({_layout(adapter)})"
 
     # ---- keys and stores ----------------------------------------------------------------------------------------
     def _keys(self, images: CallImages, pending: list[str] | None) -> list[bytes]:
@@ -505,11 +546,14 @@ class FeatureCache:
         where = f"{self.unit.name} -> {self.root}"
         if self.disabled:
             return f"vision_cache: off ({self.disabled}); {where}"
+        if s.bypassed_calls and not s.calls:
+            return f"vision_cache: serving nothing: {s.bypassed_calls} calls not cached ({self.bypass_reason}); {where}"
         keys = "keys hashed on the training thread" if s.hashed_images else "keys from the loader workers"
         full = ", store full" if any(store.full for store in self.stores.values()) else ""
         return (f"vision_cache: {where}: hit rate {s.hit_rate:.0%} ({s.hits} hits, {s.misses} misses), "
                 f"{self.entries()} entries, {_human_bytes(self.bytes_on_disk())} on disk{full}; tower "
-                f"{1e3 * s.tower_seconds_per_image:.2f} ms/image, ~{max(s.seconds_saved, 0.0):.1f} s saved; {keys}")
+                f"{1e3 * s.tower_seconds_per_image:.2f} ms/image, ~{max(s.seconds_saved, 0.0):.1f} s saved; {keys}"
+                + (f"; {s.bypassed_calls} calls not cached ({self.bypass_reason})" if s.bypassed_calls else ""))
 
     def state_dict(self) -> dict[str, Any]:
         return {"stats": asdict(self.stats), "disabled": self.disabled}
@@ -546,6 +590,15 @@ def _on_host(inputs: list[tuple[Tensor | None, ...]]) -> list[tuple[Tensor | Non
         elif (synchronize := getattr(getattr(torch, device.type, None), "synchronize", None)) is not None:
             synchronize()
     return host
+
+
+def _layout(adapter: Any) -> str:
+    return getattr(adapter, "layout", type(adapter).__name__)
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _human_bytes(n: float) -> str:

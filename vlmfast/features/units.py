@@ -86,6 +86,11 @@ class RowsAdapter:
     def __init__(self, image_arg: str, output: str = "tensor") -> None:
         self.image_arg, self.output = image_arg, output
 
+    @property
+    def layout(self) -> str:
+        """The layout in words (for the reasons the cache gives)."""
+        return f"one image per row of {self.image_arg} ({self.output.replace('_', ' ')} output)"
+
     def split(self, arguments: dict[str, Any]) -> CallImages | None:
         pixels = arguments.get(self.image_arg)
         if not isinstance(pixels, Tensor) or pixels.dim() < 2:
@@ -164,6 +169,8 @@ class HFTowerAdapter(RowsAdapter):
 class Idefics3Adapter:
     """Idefics3 / SmolVLM ``get_image_features(pixel_values [B, K, C, H, W], pixel_attention_mask [B, K, H, W])``."""
 
+    layout = "image slots per row, all-zero images as padding"
+
     def split(self, arguments: dict[str, Any]) -> CallImages | None:
         pixels, mask = arguments.get("pixel_values"), arguments.get("pixel_attention_mask")
         if not isinstance(pixels, Tensor) or pixels.dim() != 5:
@@ -211,6 +218,8 @@ class Qwen2VLAdapter:
     """``get_image_features(pixel_values [patches, D], image_grid_thw [N, 3])`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
     Besides ``pooler_output``, per-layer ``deepstack_features`` (Qwen3-VL's, one tuple of per-image tensors per
     layer) are kept per image: an image's entry is its features stacked ``[1 + layers, tokens, dim]``."""
+
+    layout = "flat patches with a grid per image"
 
     def __init__(self) -> None:
         self.output_type: type | None = None  # the call's own output class (it carries deepstack_features)

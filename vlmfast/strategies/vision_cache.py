@@ -120,6 +120,8 @@ class VisionCache(Strategy):
         step.metrics["vision_cache/hits"] = now.hits - self._last.hits
         step.metrics["vision_cache/misses"] = now.misses - self._last.misses
         step.metrics["vision_cache/corrupt"] = now.corrupt - self._last.corrupt
+        step.metrics["vision_cache/bypassed"] = now.bypassed_calls - self._last.bypassed_calls
+        step.metrics["vision_cache/off"] = int(self.cache.disabled is not None)
         self._last = CacheStats(**vars(now))
 
     def state_dict(self) -> dict[str, Any]:
