@@ -234,7 +234,7 @@ def test_a_change_past_the_trial_limit_is_not_measured_and_the_others_are() -> N
     assert table.index("data.num_workers=3") < table.index("compile.enabled=true")  # measured rows first
     assert "try --set data.num_workers=3 first" in trial_advice(trials)
     ranked = rank_findings(findings, trials)
-    assert [f.key for f in ranked] == ["data", "compute"] and ranked[1].measured.startswith("not measured (over")
+    assert [f.key for f in ranked] == ["data", "compute"] and ranked[1].measured.startswith("not measured: over")
 
 
 def test_the_trial_limit_stops_a_compile_inside_dynamo_past_the_eager_fallback() -> None:

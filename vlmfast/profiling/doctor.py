@@ -829,7 +829,7 @@ def _measured_text(trial: FlagTrial) -> str:
     if trial.error:
         return f"failed ({trial.error}): not advised"
     if trial.not_measured:
-        return f"not measured ({trial.not_measured})"
+        return f"not measured: {trial.not_measured}"
     over = f"the job's {trial.run_steps} steps" if trial.run_steps else "the job"
     verdict = "advised" if trial.advised else "not advised"
     return (f"{trial.speedup:.2f}x per step (p50 {trial.step_ms:.1f} ms), {trial.run_speedup:.2f}x over {over} with "
