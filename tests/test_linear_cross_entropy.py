@@ -260,18 +260,73 @@ def test_clear_refusals() -> None:
     assert resolve_impl("auto", torch.device("cpu")) == "torch"
 
     model = _build("llama").double()
-    model.config.final_logit_softcapping = None
     original = model.forward
 
-    def scaled_forward(*args, **kwargs):  # a logit transform the config does not announce
+    def squared_forward(*args, **kwargs):  # no scale, cap, bias or mask gives this: refused, naming what was seen
         out = original(*args, **kwargs)
-        out.logits = out.logits * 2
+        out.logits = out.logits + out.logits ** 2
         return out
 
-    model.forward = scaled_forward
+    model.forward = squared_forward
     apply_linear_cross_entropy(model)
-    with pytest.raises(ValueError, match="does not know"):
+    with pytest.raises(ValueError, match=r"^linear_cross_entropy: what the model does between its head and its "
+                                         r"logits is not .* a zero head output gave logits \[0, 0"):
         model(**token_batch(2, 8, VOCAB))
+
+
+def _with_logits(model, change):
+    """The model with its forward's logits changed by ``change`` (what a model might do after its head)."""
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out.logits = change(out.logits)
+        return out
+
+    model.forward = forward
+    return model
+
+
+def _masked(logits):
+    logits = logits.clone()
+    logits[..., [3, 5, 7]] = torch.finfo(logits.dtype).min  # Chameleon's way with its image tokens
+    return logits
+
+
+BIAS = torch.linspace(-1, 1, VOCAB, dtype=torch.float64)
+AFTER_THE_HEAD = {  # what the forward does to the head's output -> what the probe must find
+    "config scale not applied": (lambda x: x, "scale 1"),  # Aya Vision: the config's logit_scale, unused
+    "scale": (lambda x: x * 0.0625, "scale 0.0625"),
+    "soft cap": (lambda x: 2.5 * torch.tanh(x / 2.5), "scale 1, soft cap 2.5"),
+    "scaled and capped": (lambda x: 30.0 * torch.tanh(x * 0.5 / 30.0), "scale 0.5, soft cap 30"),
+    "bias": (lambda x: x + BIAS, "scale 1, an additive bias"),
+    "mask": (_masked, "scale 1, 3 vocabulary entries masked"),
+    "capped, bias and mask": (lambda x: _masked(3.0 * torch.tanh(x / 3.0) + BIAS), "soft cap 3, an additive bias"),
+}
+
+
+@pytest.mark.parametrize("seen", list(AFTER_THE_HEAD))
+def test_what_the_model_does_after_its_head_is_probed_and_reproduced_in_the_chunks(seen: str) -> None:
+    """Learned from the forward, never the config: the config says logit_scale 0.0625 in every case here (Aya
+    Vision's text config does, its forward applies none); the loss and every gradient equal the model's own."""
+    change, found = AFTER_THE_HEAD[seen]
+    model = _with_logits(_build("llama").double(), change)
+    model.config.logit_scale = 0.0625
+    chunked = _with_logits(_build("llama").double(), change)
+    state = apply_linear_cross_entropy(chunked, chunk_tokens=8)
+    batch = token_batch(3, 12, VOCAB)
+    batch["labels"] = batch["labels"].masked_fill(torch.isin(batch["labels"], torch.tensor([3, 5, 7])), -100)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits  # what the model's forward returns, its loss taken on them in float64
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+    ours = chunked(**batch).loss
+    loss.backward()
+    ours.backward()
+    assert abs(float(ours - loss)) < 1e-10 * abs(float(loss))
+    theirs = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert _relative(torch.cat([p.grad.flatten() for p in chunked.parameters()]), theirs) < 1e-10
+    assert state.verified == "yes" and found in str(state.source.transform)
+    assert f"after the head: {state.source.transform}" in state.describe()
 
 
 def test_through_a_peft_lora_wrapper_the_gradients_equal_the_models_own_loss() -> None:

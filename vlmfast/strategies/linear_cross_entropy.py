@@ -21,7 +21,9 @@ and accumulates the gradients of the hidden states and of the head weight chunk 
 matmul of the head (recomputing the logits); the standard path's full-size softmax, its gradient and their page
 faults are gone, which on CPU pays for it (benchmarks/linear_cross_entropy.py). Tokens whose target is
 ``ignore_index`` (padding, prompts) are skipped entirely. Soft-capping (Gemma 2/3), a logit scale (Cohere, Granite),
-z-loss and label smoothing are exact in both directions.
+an additive bias after the head (BART's ``final_logits_bias``), a vocabulary mask (Chameleon's image tokens), z-loss
+and label smoothing are exact in both directions. Which of them a model applies is learned by probing its forward on
+the first batch (vlmfast/common/logit_head.py), never read from its config.
 
 On CUDA, an installed Liger kernel (``liger_kernel``) or Apple's Cut Cross-Entropy (``cut_cross_entropy``) can do the
 same work fused (``impl: auto | liger | cce``); ``describe()`` says which ran.
@@ -30,11 +32,11 @@ The trainer uses it through :class:`LinearCrossEntropy` (the ``linear_cross_entr
 forward is replaced on the instance (parameters, names and ``state_dict`` unchanged) by one that runs the base model
 for the hidden states and this loss on the head's weight, with the model's own label shift and its own
 ``num_items_in_batch`` division, so gradient accumulation weights it exactly like the model's own loss. Supported:
-Hugging Face causal LMs and VLMs whose loss is ``ForCausalLMLoss`` (checked once against the model's own logits on
-the first batch; a VLM with no base model to run, such as InstructBLIP whose logits come from its language model's
-head, runs its own forward while a pre-hook on the head takes the head's input), vlmfast's tiny VLM, and any model
-exposing ``hidden_states_for_loss(**batch)`` and ``get_output_embeddings()``. Anything else is refused with what to
-do instead.
+Hugging Face causal LMs and VLMs whose loss is ``ForCausalLMLoss`` (what the forward does after the head probed
+once, on the first batch, and the head checked against the model's own; a VLM with no base model to run, such as
+InstructBLIP whose logits come from its language model's head, runs its own forward while a pre-hook on the head
+takes the head's input), vlmfast's tiny VLM, and any model exposing ``hidden_states_for_loss(**batch)`` and
+``get_output_embeddings()``. Anything else is refused with what to do instead.
 """
 
 from __future__ import annotations
@@ -52,15 +54,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vlmfast.common.logit_head import HeadTransform, probe_logit_head, tolerance_of
 from vlmfast.common.sections import Field, Section
 from vlmfast.common.utils import unwrap_model
 from vlmfast.strategies.base import Strategy
 
 __all__ = [
     "ChunkedLossModel",
+    "HeadTransform",
     "LinearCrossEntropy",
     "LinearCrossEntropySpec",
-    "head_transform",
     "linear_cross_entropy",
     "resolve_impl",
     "shift_targets",
@@ -71,7 +74,6 @@ log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 Impl = Literal["auto", "torch", "liger", "cce"]
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk: few passes over the head weight, small next to the rest
-VERIFY_POSITIONS = 4  # positions whose logits are compared with the model's own, once
 
 
 class LinearCrossEntropySpec(Section):
@@ -91,23 +93,14 @@ class LinearCrossEntropySpec(Section):
         True, description="recompute each chunk's logits in backward: nothing of vocabulary size kept (4 head "
         "matmuls); false: gradients computed in forward and kept until backward, the head weight's [vocab, hidden] "
         "fp32 included (3 matmuls, as the standard head; Liger's way)")
-    verify: bool = Field(True, description="on the first batch, compare the head's logits on a few positions with "
-                         "the model's own forward (catches a logit transform the model applies that this path lacks)")
+    verify: bool = Field(True, description="on the first batch, probe what the model's forward does between its head "
+                         "and its logits (a scale, a soft cap, an additive bias, a vocabulary mask: applied in the "
+                         "chunks; anything else refused) and check the head on a few positions; false: the head's "
+                         "raw output is taken as the logits, unchecked")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the plain function
-
-
-@dataclass(frozen=True)
-class HeadTransform:
-    """What a model does to ``h @ W.T (+ b)`` before its loss: multiply by ``scale``, then soft-cap (Gemma 2/3).
-
-    Usage: ``HeadTransform(scale=1.0, softcap=30.0)``
-    """
-
-    scale: float = 1.0
-    softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +150,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     impl: Impl = "torch",
     recompute: bool = True,
+    transform: HeadTransform | None = None,
 ) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, computed chunk by chunk.
 
@@ -170,7 +164,8 @@ def linear_cross_entropy(
     chunk's logits there (four matmuls of the head in all). ``recompute=False`` computes the gradients during forward
     instead (three matmuls, as the standard head) and keeps them, the head weight's included ([V, H] fp32), until
     backward. ``impl`` 'liger' or 'cce' runs those libraries' fused CUDA kernels instead ('auto' picks one, see
-    :func:`resolve_impl`).
+    :func:`resolve_impl`). ``transform`` (what a probe of the model found, :func:`probe_logit_head`) replaces
+    ``logit_scale`` and ``softcap`` and may add a bias after them and a vocabulary mask (torch only).
     """
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
@@ -182,18 +177,21 @@ def linear_cross_entropy(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).to(hidden.device)
     chosen = resolve_impl(impl, hidden.device)
+    transform = transform or HeadTransform(logit_scale, softcap)
+    if chosen != "torch" and not transform.plain:
+        raise ValueError(f"linear_cross_entropy: the model's logits have {transform}; the fused kernels reproduce a "
+                         "scale and a soft cap only: use impl: torch")
     if chosen == "torch":
         chunk = chunk_tokens or auto_chunk_tokens(weight.shape[0])
-        options = _Options(ignore_index, chunk, HeadTransform(logit_scale, softcap), label_smoothing, z_loss,
-                           _matmul_dtype(weight), recompute)
+        options = _Options(ignore_index, chunk, transform, label_smoothing, z_loss, _matmul_dtype(weight), recompute)
         # The function casts itself (options.matmul_dtype); meta tensors (memory estimates) have no autocast.
         no_autocast = (torch.autocast(hidden.device.type, enabled=False)
                        if torch.amp.is_autocast_available(hidden.device.type) else contextlib.nullcontext())
         with no_autocast:
             total = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, options)
     else:
-        total = _fused_kernel(chosen, flat_hidden, weight, bias, flat_targets, ignore_index, softcap, logit_scale,
-                              label_smoothing, z_loss)
+        total = _fused_kernel(chosen, flat_hidden, weight, bias, flat_targets, ignore_index, transform.softcap,
+                              transform.scale, label_smoothing, z_loss)
     if reduction == "mean":
         return total / (flat_targets != ignore_index).sum().clamp(min=1)
     return total
@@ -218,6 +216,10 @@ class _ChunkLogits:
         self.weight = weight.to(self.matmul_dtype)
         self.bias = None if bias is None else bias.to(self.matmul_dtype)
         self.buffer = torch.empty(rows, weight.shape[0], dtype=dtype, device=weight.device)
+        # what the model adds / overwrites after its head (probed), on the logits' device in the compute dtype
+        self.after_bias = None if transform.bias is None else transform.bias.to(weight.device, dtype)
+        self.masked = None if transform.masked is None else transform.masked.to(weight.device)
+        self.mask_values = None if transform.mask_values is None else transform.mask_values.to(weight.device, dtype)
 
     def raw(self, hidden: Tensor) -> Tensor:
         """``hidden @ W.T (+ b)``, times the model's logit scale, in the compute dtype: the matmul in the head's
@@ -238,17 +240,21 @@ class _ChunkLogits:
         """(the logits the loss sees, tanh(raw / softcap) or None); the first is the buffer unless soft-capped."""
         out = self.raw(hidden)
         cap = self.transform.softcap
-        if cap is None:
-            return out, None
-        tanh = out.div_(cap).tanh_()
-        return tanh * cap, tanh
+        tanh = None
+        if cap is not None:
+            tanh = out.div_(cap).tanh_()
+            out = tanh * cap
+        if self.after_bias is not None:
+            out.add_(self.after_bias)
+        if self.masked is not None:
+            out[:, self.masked] = self.mask_values
+        return out, tanh
 
-
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, transform: HeadTransform,
-                  dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-    """(logits as the loss sees them, tanh of the capped logits or None) of a few rows, in a buffer of their own."""
-    return _ChunkLogits(weight, bias, transform, dtype, hidden.reshape(-1, hidden.shape[-1]).shape[0]).capped(
-        hidden.reshape(-1, hidden.shape[-1]))
+    def zero_masked(self, grad: Tensor) -> Tensor:
+        """No gradient reaches a logit the model overwrites (its mask)."""
+        if self.masked is not None:
+            grad[:, self.masked] = 0
+        return grad
 
 
 def _to_gradient(probs: Tensor, chunk_lse: Tensor, target: Tensor, tanh: Tensor | None, opts: _Options,
@@ -336,7 +342,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             total += loss.sum()
             if sink is not None:  # the chunk's softmax is at hand: its gradients now, no recomputation later
                 probs = logits.mul_(torch.exp(top - chunk_lse)[:, None])
-                sink.add(_to_gradient(probs, chunk_lse, target, tanh, opts, weight.shape[0]), rows, chunk_hidden)
+                sink.add(chunks.zero_masked(_to_gradient(probs, chunk_lse, target, tanh, opts, weight.shape[0])),
+                         rows, chunk_hidden)
         ctx.opts = opts
         ctx.precomputed = sink is not None
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -366,7 +373,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits, tanh = chunks.capped(chunk_hidden)
             probs = logits.sub_(chunk_lse[:, None]).exp_()
             target = kept_targets[start:start + rows.numel()]
-            sink.add(_to_gradient(probs, chunk_lse, target, tanh, opts, weight.shape[0]), rows, chunk_hidden)
+            sink.add(chunks.zero_masked(_to_gradient(probs, chunk_lse, target, tanh, opts, weight.shape[0])),
+                     rows, chunk_hidden)
             del logits, probs
         grad_hidden, grad_weight, grad_bias = _scaled(sink.tensors(), grad_total.to(dtype))
         return (grad_hidden, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None)
@@ -450,28 +458,6 @@ class ChunkedLossOutput:
     logits: None = None
 
 
-def head_transform(model: nn.Module) -> HeadTransform:
-    """The logit transform a Hugging Face model applies after its head, read from its config.
-
-    Usage: ``head_transform(gemma2)`` -> ``HeadTransform(scale=1.0, softcap=30.0)``
-
-    Gemma 2/3's ``final_logit_softcapping``, Cohere's ``logit_scale`` (multiplies), Granite's ``logits_scaling``
-    (divides). Checked against the model's own logits on the first batch (``verify``), since a config cannot say
-    everything a forward does.
-    """
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    scale = 1.0
-    if isinstance(getattr(model, "logit_scale", None), (int, float)):
-        scale *= float(model.logit_scale)
-    elif isinstance(getattr(text, "logit_scale", None), (int, float)):
-        scale *= float(text.logit_scale)
-    if isinstance(getattr(text, "logits_scaling", None), (int, float)) and text.logits_scaling:
-        scale /= float(text.logits_scaling)
-    softcap = getattr(text, "final_logit_softcapping", None)
-    return HeadTransform(scale, float(softcap) if softcap else None)
-
-
 @dataclass
 class _Source:
     """How to get a model's hidden states and head, and what its loss does with them."""
@@ -479,7 +465,7 @@ class _Source:
     kind: str  # "hugging face", "hugging face, head input captured" or "hidden_states_for_loss"
     hidden: Callable[[dict[str, Any]], Tensor]
     head: nn.Module
-    transform: HeadTransform
+    transform: HeadTransform  # Hugging Face: learned by probing the forward on the first batch
     shift: bool
     make_output: Callable[[Tensor], Any]
     base: nn.Module | None = None  # HF: the base model (its output is the head's input)
@@ -522,7 +508,7 @@ def _hf_source(model: nn.Module, original: Callable[..., Any]) -> _Source:
         out = base(**inputs)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
-    return _Source("hugging face", hidden, _head_of(model), head_transform(model), True,
+    return _Source("hugging face", hidden, _head_of(model), HeadTransform(), True,
                    lambda loss: CausalLMOutputWithPast(loss=loss, logits=None), base)
 
 
@@ -538,7 +524,7 @@ def _captured_source(model: nn.Module, original: Callable[..., Any]) -> _Source:
     def hidden(inputs: dict[str, Any]) -> Tensor:
         return _head_input(head, original, inputs, keep=0)[0]
 
-    return _Source("hugging face, head input captured", hidden, head, head_transform(model), True,
+    return _Source("hugging face, head input captured", hidden, head, HeadTransform(), True,
                    lambda loss: CausalLMOutputWithPast(loss=loss, logits=None), captured=True)
 
 
@@ -654,6 +640,7 @@ class ChunkedLossModel:
     recompute: bool = True
     verified: str = "not yet"  # "yes", "not yet", or why it could not be checked
     calls: int = 0
+    impl_auto: bool = False  # impl was 'auto': a probed bias or mask moves a fused kernel back to torch
     # an encoder-decoder's decoder_input_ids from its labels (the model's own shift): built before the labels go
     decoder_inputs: Callable[[Tensor], Tensor] | None = None
 
@@ -696,11 +683,10 @@ class ChunkedLossModel:
             shifted = shift_targets(labels) if self.source.shift and self.decoder_inputs is None else labels
         targets = shifted
         head = self.source.head
-        t = self.source.transform
         total = linear_cross_entropy(
             hidden, head.weight, targets.to(hidden.device), bias=getattr(head, "bias", None), reduction="sum",
-            chunk_tokens=self.chunk_tokens, softcap=t.softcap, logit_scale=t.scale,
-            label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl, recompute=self.recompute)
+            chunk_tokens=self.chunk_tokens, transform=self.source.transform, label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss, impl=self.impl, recompute=self.recompute)
         if num_items is not None:  # the model's own convention: sum / num_items_in_batch (HF's fixed_cross_entropy)
             divisor = num_items.to(total.device) if isinstance(num_items, Tensor) else num_items
         else:
@@ -708,56 +694,36 @@ class ChunkedLossModel:
         return self.source.make_output(total / divisor)
 
     def _check(self, inputs: dict[str, Any]) -> str:
-        """Compare the head on the base model's hidden states with the model's own logits on a few positions."""
-        if self.source.captured:  # what the head receives is known: check what the forward does after the head
-            with torch.no_grad():
-                hidden, output = _head_input(self.source.head, self.original, inputs, keep=VERIFY_POSITIONS)
-            logits = output.logits if hasattr(output, "logits") else output[0]
-            return self._compare(hidden[..., -VERIFY_POSITIONS:, :], logits)
-        if self.source.base is None:
+        """Probe what the forward does after the head (the transform the chunks then apply: vlmfast/common/
+        logit_head.py), and check on the probed positions that the head receives what this path computes (the base
+        model's output) and that it is ``h @ W.T (+ b)``."""
+        if self.source.base is None and not self.source.captured:
             return "not needed (the model declares hidden_states_for_loss)"
-        params = self.signature.parameters
-        if "logits_to_keep" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            return "not checked (the forward takes no logits_to_keep)"
-        captured: dict[str, Tensor] = {}
-
-        def grab_hidden(_module: nn.Module, _args: Any, output: Any) -> None:
-            captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-
-        handle = self.source.base.register_forward_hook(grab_hidden)
-        try:
-            with torch.no_grad():
-                logits = self.original(**inputs, logits_to_keep=VERIFY_POSITIONS).logits
-        finally:
-            handle.remove()
-        return self._compare(captured["hidden"][:, -VERIFY_POSITIONS:], logits)
-
-    def _compare(self, hidden: Tensor, logits: Tensor) -> str:
-        """The chunked path's logits of `hidden` against the model's own `logits` of the same positions."""
         head = self.source.head
+        outputs: list[Tensor] = []
+        watch = self.source.base.register_forward_hook(
+            lambda _module, _args, out: outputs.append(_last_hidden(out))) if self.source.base is not None else None
+        try:
+            probe = probe_logit_head(self.original, head, inputs)
+        finally:
+            if watch is not None:
+                watch.remove()
+        received = probe.head_input
+        if outputs:
+            _agree(outputs[0][..., -received.shape[-2]:, :], received, "the base model's output is not what the head "
+                   "receives: the model transforms its hidden states between them")
         with torch.no_grad():
-            ours, _ = _chunk_logits(hidden, head.weight, getattr(head, "bias", None), self.source.transform,
-                                    _compute_dtype(hidden.dtype))
-        # the last positions: a forward that takes logits_to_keep through **kwargs may ignore it (BART)
-        theirs = logits[..., -hidden.shape[-2]:, :].to(ours.dtype).reshape(ours.shape)
-        # The coarser of the two sides sets the tolerance: under bf16 autocast the model's head gives bf16 logits
-        # from fp32 hidden states (seen on an H200: 2e-3 to 4e-3 apart, exact loss).
-        exact = all(x.dtype in (torch.float32, torch.float64) for x in (hidden, logits))
-        tolerance = 1e-4 if exact else 3e-2
-        error = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-6))
-        if not math.isfinite(error) or error > tolerance:
-            raise ValueError(
-                f"linear_cross_entropy: {type(unwrap_model(head)).__name__} on the base model's hidden states does not "
-                f"give the model's own logits (relative difference {error:.2e}): the model transforms hidden states "
-                f"or logits in a way vlmfast does not know ({self.source.transform}). Set "
-                "linear_cross_entropy.enabled: false, or compute the loss in your own loss_fn with "
-                "vlmfast.hooks.linear_cross_entropy")
+            ours = F.linear(received, head.weight, getattr(head, "bias", None))
+        _agree(ours, probe.head_output, f"{type(unwrap_model(head)).__name__} is not a plain linear head "
+               "(h @ W.T + b) on what it receives")
+        self.source.transform = probe.transform
+        if self.impl != "torch" and not probe.transform.plain and self.impl_auto:
+            self.impl = "torch"  # the fused kernels know no bias after the head nor a mask
         return "yes"
 
     def describe(self) -> str:
         t = self.source.transform
-        extras = [f"softcap {t.softcap:g}"] if t.softcap else []
-        extras += [f"logit scale {t.scale:g}"] if t.scale != 1.0 else []
+        extras = [f"after the head: {t}"] if self.verified == "yes" else []
         extras += [f"label smoothing {self.label_smoothing:g}"] if self.label_smoothing else []
         extras += [f"z-loss {self.z_loss:g}"] if self.z_loss else []
         how = "logits recomputed in backward" if self.recompute else "gradients computed in forward"
@@ -765,6 +731,19 @@ class ChunkedLossModel:
         extra = f", {', '.join(extras)}" if extras else ""
         return (f"linear cross-entropy: {self.impl} ({chunks}{extra}), logits never materialised; "
                 f"{self.source.kind} model; checked against its own logits: {self.verified}")
+
+
+def _last_hidden(output: Any) -> Tensor:
+    return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+
+def _agree(ours: Tensor, theirs: Tensor, what: str) -> None:
+    """Refuse, naming ``what``, unless the two agree within their precision (bf16 autocast: 3e-2, else 1e-4)."""
+    error = float((ours.to(theirs.dtype) - theirs).abs().max() / theirs.abs().max().clamp(min=1e-6))
+    if not math.isfinite(error) or error > tolerance_of(ours, theirs):
+        raise ValueError(f"linear_cross_entropy: {what} (relative difference {error:.2e}), so the chunked loss "
+                         "would train another objective. Set linear_cross_entropy.enabled: false, or compute the loss "
+                         "in your own loss_fn with vlmfast.hooks.linear_cross_entropy")
 
 
 def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -803,7 +782,7 @@ def apply_linear_cross_entropy(
         source=source, original=original, signature=inspect.signature(original),
         chunk_tokens=chunk_tokens or auto_chunk_tokens(weight.shape[0]),
         impl=resolve_impl(impl, weight.device), label_smoothing=label_smoothing, z_loss=z_loss, verify=verify,
-        recompute=recompute, decoder_inputs=_decoder_inputs_from_labels(model, original))
+        recompute=recompute, decoder_inputs=_decoder_inputs_from_labels(model, original), impl_auto=impl == "auto")
     model._vlmfast_lce = state
     model.forward = types.MethodType(_chunked_forward, model)
     return state
