@@ -161,14 +161,21 @@ def _export_record(model: nn.Module, kind: str, task: str | None) -> dict[str, A
         return record  # from_pretrained reads config.json / adapter_config.json
     record.update(model_class=_class_path(type(module)), weights="model.safetensors")
     config = getattr(module, "config", None)
-    takes_config = "config" in inspect.signature(type(module)).parameters
-    if dataclasses.is_dataclass(config) and not isinstance(config, type) and takes_config:
+    if dataclasses.is_dataclass(config) and not isinstance(config, type) and _takes_config(type(module)):
         record.update(config_class=_class_path(type(config)), config=json.loads(json.dumps(
             dataclasses.asdict(config), default=str)))
     else:
         record.update(task=task, note="vlmfast does not know this model's constructor config: build the model as "
                       "the task above (or your code) did, then load_model(model, 'model.safetensors')")
     return record
+
+
+def _takes_config(cls: type) -> bool:
+    """Whether the constructor has a ``config`` parameter (read off its signature, never assumed)."""
+    try:
+        return "config" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a constructor Python cannot describe
+        return False
 
 
 def _class_path(cls: type) -> str:
