@@ -201,3 +201,10 @@ def test_the_trainer_sizes_auto_workers_by_its_estimated_step_and_reports_why():
     assert "ms per step, estimated before training" in choice.reason
     result = trainer.fit()
     assert any(line.startswith("data: num_workers auto picked 1 workers") for line in result.report.strategies)
+
+
+def test_vlmfast_bench_runs_the_stand_in_with_device_bound():
+    from vlmfast.bench.cli import build_parser
+
+    args = build_parser().parse_args(["--device-bound", "150", "--quick"])
+    assert args.device_bound == 150.0 and args.run.__name__ == "run_bench"

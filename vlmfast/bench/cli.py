@@ -9,6 +9,7 @@ Usage::
     vlmfast bench --size gpu-1b                # GPU: 1.4B LLaVA, start and each tool's best; --dry-run: toy, CPU
     vlmfast bench --configs start,vlmfast,accelerate --repeats 9 --no-headroom
     vlmfast bench --render benchmarks/results/cpu/compare.json      # Markdown + charts again from the JSON
+    vlmfast bench --device-bound 150           # the GIL-free GPU stand-in: does each tool's data path keep up?
 
 Files (in --out, default benchmarks/results/<device>/; with --quick runs/bench-quick/<device>/, which git ignores):
 compare.json / .md, compare_throughput.png, compare_memory.png, headroom.json / .md / .png; a size other than the
@@ -61,6 +62,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headroom-only", action="store_true", help="run only the memory-headroom benchmark")
     parser.add_argument("--docs", default=None, help="also write the tables into this Markdown file, between "
                         "<!-- vlmfast-bench:NAME --> and <!-- /vlmfast-bench:NAME --> (NAME: compare, headroom, ...)")
+    parser.add_argument("--device-bound", type=float, default=None, metavar="STEP_MS",
+                        help="run only the device-bound stand-in (vlmfast.bench.device_bound): a step of STEP_MS ms of "
+                        "GIL-free time, 2 GB of host ballast, 3 data layouts; writes device_bound.json")
     parser.add_argument("--render", nargs="+", default=None, metavar="JSON",
                         help="re-write the Markdown, charts and --docs sections from result JSONs, without running")
 
@@ -77,6 +81,18 @@ def add_bench_command(subparsers: Any) -> argparse.ArgumentParser:
     _add_arguments(bench)
     bench.set_defaults(run=run_bench)
     return bench
+
+
+def _device_bound(args: argparse.Namespace) -> int:
+    """`--device-bound STEP_MS`: the stand-in's table and verdicts, its JSON in --out (default: this device's)."""
+    from vlmfast.bench.device_bound import main as device_bound
+
+    default = "runs/bench-quick/device-bound" if args.quick else "benchmarks/results/cpu"  # the stand-in is a CPU's
+    out = Path(args.out or default)
+    out.mkdir(parents=True, exist_ok=True)
+    argv = ["--step-ms", str(args.device_bound), "--out", str(out / "device_bound.json")]
+    device_bound(argv + (["--quick"] if args.quick else ["--rounds", str(min(args.repeats, 3))]))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +113,8 @@ def run_bench(args: argparse.Namespace) -> int:
     """The command: run (or re-render) and write JSON, Markdown and PNGs; print the tables."""
     if args.render:
         return _render(args.render, args.docs)
+    if args.device_bound is not None:
+        return _device_bound(args)
     import torch
 
     from vlmfast.bench.report import device_dir
