@@ -24,7 +24,6 @@ def saved_run(tmp_path, **overrides):
 @pytest.mark.parametrize(
     ("change", "field", "why"),
     [
-        ({"batch_size": 16, "micro_batch_size": 4}, "batch_size=8 but the spec now says 16", "batches of the old size"),
         ({"seed": 7}, "seed=0 but the spec now says 7", "data order"),
         ({"optimizer": {"name": "sgd"}}, "optimizer.name='adamw' but the spec now says 'sgd'", "optimizer state"),
         ({"optimizer": {"lr": 1e-4}}, "optimizer.lr=0.01 but the spec now says 0.0001", "silently override"),
@@ -36,6 +35,14 @@ def test_a_change_that_would_mix_two_trainings_is_refused_naming_the_field(tmp_p
     base = saved_run(tmp_path)
     spec = make_spec(**{**base, "max_steps": 4, **change})
     with pytest.raises(SpecError, match=rf"cannot resume: the checkpoint was written with {field}.*{why}.*Restore"):
+        train(spec)
+
+
+def test_a_changed_global_batch_is_refused_naming_batch_size_and_the_value_that_continues(tmp_path):
+    base = saved_run(tmp_path)
+    spec = make_spec(**{**base, "max_steps": 4, "batch_size": 16, "micro_batch_size": 4})
+    with pytest.raises(SpecError, match=r"global batch is 1 rank\(s\) x batch_size 8 = 8 samples, this run's 1 x 16 = "
+                       r"16: the data position counts global batches.*set batch_size: 8 to continue on 1 rank"):
         train(spec)
 
 

@@ -478,14 +478,21 @@ CHANGES_TRAINING_ON_RESUME = ("max_steps", "precision", "grad_clip", "loss.weigh
                               "loss.ignore_index", "loss.label_key", "packing.enabled", "packing.max_tokens")
 
 
-def check_same_world_size(saved: int, current: int) -> None:
-    """Refuse a resume on another number of ranks: `batch_size` is per rank, so the global batch, the data shards
-    and the per-rank generators would all change silently."""
-    if saved != current:
-        raise SpecError(
-            f"save.resume: the checkpoint was written by {saved} rank(s), this run has {current}: batch_size counts "
-            f"samples per rank, so the global batch ({saved} x batch_size) and the data position would change. Resume "
-            f"on {saved} rank(s), or start afresh (save.resume: never) with batch_size chosen for {current} rank(s)")
+def check_global_batch(saved_batch: int, saved_world: int, batch_size: int, world_size: int) -> None:
+    """Refuse a resume whose global batch (ranks x batch_size) changed: the data position counts global batches, and
+    token-weighted accumulation makes any split of the same global batch give the same gradient, so only the global
+    batch must stay. Usage: ``check_global_batch(4, 2, 8, 1)`` (2 ranks x 4 continue on 1 rank x 8)."""
+    saved_global, global_batch = saved_batch * saved_world, batch_size * world_size
+    if saved_global == global_batch:
+        return
+    fix = (f"set batch_size: {saved_global // world_size} to continue on {world_size} rank(s)"
+           if saved_global % world_size == 0 else
+           f"resume on a number of ranks that divides {saved_global} (its global batch)")
+    raise SpecError(
+        f"save.resume: the checkpoint's global batch is {saved_world} rank(s) x batch_size {saved_batch} = "
+        f"{saved_global} samples, this run's {world_size} x {batch_size} = {global_batch}: the data position counts "
+        f"global batches, so the run would not continue the same trajectory. To continue it, {fix} (batch_size "
+        "counts samples per rank); or start afresh (save.resume: never)")
 
 
 class _Absent:
@@ -498,12 +505,13 @@ class _Absent:
 _MISSING = _Absent()
 
 
-def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
+def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], accepted: tuple[str, ...] = ()) -> None:
     """Refuse to continue a run whose spec changed in a field that would silently mix two trainings
-    (:data:`REFUSED_ON_RESUME`); say which other fields changed and what that means."""
+    (:data:`REFUSED_ON_RESUME`); say which other fields changed and what that means. `accepted`: refused fields whose
+    change the caller verified carries over (batch_size under an unchanged global batch, a portable engine pair)."""
     changed = _changed_fields(saved, current)
     for dotted, (old, new) in changed.items():
-        reason = _refusal(dotted)
+        reason = None if dotted in accepted else _refusal(dotted)
         if reason is not None and old is not _MISSING:  # a field newer than the checkpoint's vlmfast is no change
             raise SpecError(
                 f"cannot resume: the checkpoint was written with {dotted}={old!r} but the spec now says {new!r} "

@@ -34,6 +34,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def derived_seed(seed: int, step: int, rank: int) -> int:
+    """A rank's seed at a step, from the run's seed: for generators that cannot be carried over (a resume on another
+    number of ranks). Usage: ``seed_everything(derived_seed(spec.seed, state.step, rank))``"""
+    return (seed * 1_000_003 + step * 8_191 + rank * 131_071 + 1) % 2**63
+
+
 def rng_state() -> dict:
     """Every RNG state that can change a training trajectory, as tensors and ints (loadable with weights_only)."""
     version, mt_state, gauss = random.getstate()

@@ -219,8 +219,8 @@ def _sha(digest: bytes) -> str:
 # reader but not compared: a renamed class or a wrapper around the same samples is no change of data.
 _COMPARED = {
     "kind": "data kind", "length": "length", "lengths_sha": "per-sample lengths",
-    "samples_sha": "sample content", "batch_size": "batch_size", "shuffle": "data.shuffle", "seed": "seed",
-    "drop_last": "data.drop_last", "world_size": "world size", "group_by_length": "data.group_by_length",
+    "samples_sha": "sample content", "shuffle": "data.shuffle", "seed": "seed",
+    "drop_last": "data.drop_last", "group_by_length": "data.group_by_length",
     "loader_batch_size": "DataLoader batch_size", "loader_drop_last": "DataLoader drop_last",
     "loader_sampler": "DataLoader sampler",
 }
@@ -233,11 +233,21 @@ def fingerprint_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[
     for key, label in _COMPARED.items():
         if key in saved and key in current and saved[key] != current[key]:
             changes[label] = (saved[key], current[key])
+    # The global batch is what the data position counts: 2 ranks x 4 continue on 1 rank x 8 (or 4 x 2) exactly.
+    old_global, new_global = _global_batch(saved), _global_batch(current)
+    if old_global is not None and new_global is not None and old_global != new_global:
+        changes["global batch (ranks x batch_size)"] = (old_global, new_global)
     if "sample content" in changes:
         content = changes.pop("sample content")
         if saved.get("samples_hashed") == current.get("samples_hashed"):  # else: the length change says it already
             changes[f"content of samples {current.get('samples_hashed')} (hash)"] = content
     return changes
+
+
+def _global_batch(fingerprint: dict[str, Any]) -> int | None:
+    if "batch_size" not in fingerprint:
+        return None
+    return int(fingerprint["batch_size"]) * int(fingerprint.get("world_size", 1))
 
 
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:

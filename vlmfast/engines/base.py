@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmfast.engines.portable_state import is_named, optimizer_state_by_index
 from vlmfast.strategies.base import Strategy
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -140,7 +141,10 @@ class Engine:
         elif "model" in state:
             self.module.load_state_dict(state["model"])
         if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            optimizer_state = state["optimizer"]
+            if is_named(optimizer_state):  # written by FSDP2 (torch's distributed-checkpoint format): renumbered
+                optimizer_state = optimizer_state_by_index(optimizer_state, self.optimizer, self.module)
+            self.optimizer.load_state_dict(optimizer_state)
         self.precision.load_state_dict(state.get("precision", {}))
 
     def save_shards(self, directory: Path, trainable_only: bool = False) -> None:

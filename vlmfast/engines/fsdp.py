@@ -24,6 +24,7 @@ from torch import nn
 
 from vlmfast.common.module_tree import find_repeated_blocks, matches
 from vlmfast.engines.base import Engine, OptimizerFactory, check_trainable_names
+from vlmfast.engines.portable_state import is_named, optimizer_state_by_name
 from vlmfast.engines.process_group import ensure_process_group
 from vlmfast.spec import FSDPSpec, SpecError
 from vlmfast.strategies.precision import EnginePrecision
@@ -146,7 +147,10 @@ class FSDPEngine(Engine):
                 **({"trainable_only": True} if trainable_only else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_full_state_dict(self.module, self.optimizer, state["model"], state["optimizer"],
+        optimizer_state = state["optimizer"]
+        if not is_named(optimizer_state):  # written by one process or DDP (Optimizer.state_dict()): named here
+            optimizer_state = optimizer_state_by_name(optimizer_state, self.optimizer, self.module)
+        load_full_state_dict(self.module, self.optimizer, state["model"], optimizer_state,
                              trainable_only=bool(state.get("trainable_only")))
 
     def describe(self) -> list[str]:

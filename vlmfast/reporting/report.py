@@ -160,6 +160,12 @@ class MetricsLogger:
                             "every step", tracker.name, step, type(exc).__name__, exc)
                 close_trackers([tracker])
 
+    def log_event(self, name: str, step: int, **fields: Any) -> None:
+        """A record that is not a step's metrics, in metrics.jsonl (``{"event": name, "step": step, ...}``): what
+        changed at a resume on another rank count or engine. Usage: ``logger.log_event("resumed", 4, ranks=1)``"""
+        if self.enabled and self._fd is not None:
+            self._append((json.dumps({"event": name, "step": step, **fields}) + "\n").encode())
+
     def _append(self, line: bytes) -> None:
         """One whole line or nothing: a failed write is cut back, so the file never holds half a line."""
         size = os.fstat(self._fd).st_size

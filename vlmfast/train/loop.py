@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from vlmfast.checkpoints.async_save import AsyncCheckpointer
 from vlmfast.checkpoints.save_dir import SaveDirLock, prepare_save_dir
-from vlmfast.checkpoints.store import check_resume_compatible, check_same_world_size, latest_checkpoint, save_checkpoint
-from vlmfast.common.utils import resolve_device, rng_state, seed_everything, set_rng_state
+from vlmfast.checkpoints.store import check_global_batch, check_resume_compatible, latest_checkpoint, save_checkpoint
+from vlmfast.common.utils import derived_seed, resolve_device, rng_state, seed_everything, set_rng_state
 from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.fingerprint import describe_changes, fingerprint_changes, map_position
 from vlmfast.data.loader import ResumableLoader
@@ -40,6 +40,7 @@ from vlmfast.data.timeout import DataLoaderTimeoutError
 from vlmfast.engines import build_engine
 from vlmfast.engines.collectives import barrier, broadcast_object, gather_objects, sum_loss_and_flags
 from vlmfast.engines.ddp import ddp_errors_explained
+from vlmfast.engines.portable_state import describe_transfer, state_transfer_refusal
 from vlmfast.engines.process_group import apply_nccl_presets, explain_rank_failure, init_distributed
 from vlmfast.memory.advice import explain_oom, memory_summary, oom_advice
 from vlmfast.memory.monitor import MemoryMonitor
@@ -93,6 +94,7 @@ class OptimizedTrainer:
         self._interrupt: str | None = None  # a signal received here (set by fit)
         self._stop_agreed = False  # under several ranks: some rank wants to stop (agreed in the step's all-reduce)
         self.state = TrainState()
+        self.resharded: dict[str, Any] | None = None  # a resume on another rank count or engine: what changed
         self._say: Callable[[str], None] = _to_stderr  # fit() routes it through its progress bar
 
         self.engine = build_engine(spec, self.device, self.world_size)
@@ -292,6 +294,10 @@ class OptimizedTrainer:
         with metrics_logger, InterruptGuard(self.spec.save.on_interrupt) as guard, rank_failure:
             if resumed_from is not None:
                 metrics_logger.write(f"resumed from {resumed_from} at step {self.state.step}")
+            if self.resharded:
+                log.warning("%s", self.resharded["note"])
+                metrics_logger.write(self.resharded["note"])
+                metrics_logger.log_event("resumed", self.state.step, **self.resharded)
             tick = time.perf_counter()
             while self.state.step < self.spec.max_steps and not self._should_stop(guard):
                 self.timer.begin_step(self.state.step + 1)
@@ -327,6 +333,8 @@ class OptimizedTrainer:
                 result.report.extra["checkpoint"] = str(result.checkpoint)
             if result.exported is not None:
                 result.report.extra["exported"] = str(result.exported)
+            if self.resharded:
+                result.report.extra["resumed"] = self.resharded["note"]
             # history may hold only the latest steps (log.history_steps): the run's first loss and step count
             result.report.steps, result.report.first_loss = self.state.step - first_step, first_loss
             result.report.extra.update(self.timer.finish(history))
@@ -539,8 +547,13 @@ class OptimizedTrainer:
     def check_resumable(self, state: dict[str, Any]) -> None:
         """Refuse a checkpoint written by a different run (spec), on another number of ranks or on other data (its
         fingerprint; save.accept_data_change accepts that), naming the change."""
-        check_resume_compatible(state["spec"], self.spec.to_dict())
-        check_same_world_size(state["trainer"].get("world_size", 1), self.world_size)
+        saved_world = state["trainer"].get("world_size", 1)
+        if refusal := state_transfer_refusal(state["spec"], saved_world, self.spec, self.world_size):
+            raise SpecError(f"cannot resume: {refusal}")
+        check_global_batch(state["spec"].get("batch_size", self.spec.batch_size), saved_world, self.spec.batch_size,
+                           self.world_size)
+        # verified above: the same global batch on another rank count; engines whose full state any of them loads
+        check_resume_compatible(state["spec"], self.spec.to_dict(), accepted=("batch_size", "engine"))
         lora = self._lora()
         if state.get("frozen") and lora is not None and state["frozen"] != lora.fingerprint():
             raise SpecError(
@@ -586,7 +599,12 @@ class OptimizedTrainer:
         self.state.load_state_dict(state["trainer"])
         self.state.micro_batch_size = self.micro_batching.micro_batch_size  # the sizer restored its own
         rng = state["rng"]
-        set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)  # 0.1 saved rank 0's only
+        if isinstance(rng, list) and len(rng) != self.world_size:  # another rank count: no rank's own generators
+            seed_everything(derived_seed(self.spec.seed, self.state.step, self.rank))
+        else:
+            set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)  # 0.1 saved rank 0's only
+        self.resharded = describe_transfer(state["spec"], state["trainer"].get("world_size", 1), self.spec,
+                                           self.world_size)  # another rank count or engine: said in _fit
 
     def export(self, directory: str | Path, merge: bool = False, processor: Any = None, overwrite: bool = False,
                what: str = "export folder") -> Path | None:

@@ -1,0 +1,111 @@
+"""Resume anywhere (issue 37): a run stopped on N ranks continues on M ranks, or with another engine, on the same
+trajectory, as long as the global batch (ranks x batch_size) is unchanged. float64, no dropout: every continuation
+ends within 1e-6 (norm-relative) of the uninterrupted run, Adam's moments and step counts included; one 2-rank launch
+holds every 2-rank case."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TinyCausalLM, TokenDataset, spawn_two_ranks
+
+from vlmfast import OptimizedTrainer, TrainSpec
+from vlmfast.checkpoints.store import load_checkpoint
+from vlmfast.engines.portable_state import state_transfer_refusal
+from vlmfast.spec import SpecError
+
+GLOBAL_BATCH, STEPS = 8, 4
+
+
+def spec(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never") -> TrainSpec:
+    return TrainSpec(max_steps=STEPS, batch_size=GLOBAL_BATCH // world_size, engine=engine, seed=0,
+                     optimizer={"lr": 1e-2}, log={"progress": "off", "dir": str(directory / "log")},
+                     save={"dir": str(directory), "every_steps": 2, "resume": resume})
+
+
+def train(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never") -> OptimizedTrainer:
+    torch.manual_seed(0)  # the same initial weights on every rank and in every run
+    trainer = OptimizedTrainer(TinyCausalLM().double(), TokenDataset(64), spec(directory, world_size, engine, resume))
+    trainer.fit_result = trainer.fit()
+    return trainer
+
+
+def _two_rank_cases(root: str, single_run: str) -> dict:
+    """On each of 2 ranks: DDP and FSDP2 runs from scratch (their step-2 checkpoints are resumed elsewhere), then
+    1 -> 2 ranks, DDP -> FSDP2 and FSDP2 -> DDP continuations from step 2."""
+    root_path = Path(root)
+    train(root_path / "ddp2", 2)
+    train(root_path / "fsdp2", 2, engine="fsdp")
+    resharded = train(root_path / "one_to_two", 2, resume=str(Path(single_run) / "step_00000002"))
+    train(root_path / "ddp_to_fsdp", 2, engine="fsdp", resume=str(root_path / "ddp2" / "step_00000002"))
+    train(root_path / "fsdp_to_ddp", 2, resume=str(root_path / "fsdp2" / "step_00000002"))
+    return {"resharded": resharded.resharded}
+
+
+def final_state(directory: Path) -> tuple[dict[str, torch.Tensor], list[tuple[float, float, float]]]:
+    """The step-4 checkpoint's weights, and Adam's per-parameter (step, |exp_avg|, |exp_avg_sq|), sorted: the same
+    whether the optimizer state numbers its parameters (one process, DDP) or names them (FSDP2)."""
+    state = load_checkpoint(directory / f"step_{STEPS:08d}")["engine"]
+    moments = sorted((float(s["step"]), float(s["exp_avg"].norm()), float(s["exp_avg_sq"].norm()))
+                     for s in state["optimizer"]["state"].values())
+    return state["model"], moments
+
+
+def assert_same_run(actual: Path, expected: Path) -> None:
+    weights, moments = final_state(actual)
+    reference, reference_moments = final_state(expected)
+    assert weights.keys() == reference.keys()
+    difference = torch.cat([(weights[k].double() - reference[k].double()).flatten() for k in reference]).norm()
+    scale = torch.cat([reference[k].double().flatten() for k in reference]).norm()
+    assert difference <= 1e-6 * scale, f"{actual.name}: weights off by {difference / scale:.2e} of their norm"
+    assert [m[0] for m in moments] == [m[0] for m in reference_moments] == [float(STEPS)] * len(moments)
+    flat = [value for moment in moments for value in moment[1:]]
+    assert flat == pytest.approx([v for m in reference_moments for v in m[1:]], rel=1e-6), \
+        f"{actual.name}: Adam's moments differ"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("anywhere")
+    train(root / "single", 1)  # the uninterrupted reference: 1 rank x 8
+    ranks = spawn_two_ranks(_two_rank_cases, root, "cases", str(root), str(root / "single"))
+    assert ranks[0]["resharded"]["from_world_size"] == 1 and ranks[0]["resharded"]["world_size"] == 2
+    return root
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["ddp2", "fsdp2", "one_to_two", "ddp_to_fsdp", "fsdp_to_ddp"])
+def test_two_rank_runs_and_continuations_end_where_one_process_does(runs, case):
+    assert_same_run(runs / case, runs / "single")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("source", ["ddp2", "fsdp2"])
+def test_a_two_rank_run_continues_on_one_rank_with_the_global_batch(runs, source, tmp_path):
+    trainer = train(tmp_path, 1, resume=str(runs / source / "step_00000002"))
+    assert trainer.resharded["from_world_size"] == 2 and trainer.resharded["from_engine"] == source[:-1]
+    assert_same_run(tmp_path, runs / "single")
+    events = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
+              if '"event"' in line]
+    assert [(e["event"], e["step"], e["world_size"], e["from_world_size"], e["batch_size"]) for e in events] == [
+        ("resumed", 2, 1, 2, 8)]
+    assert "from 2 x 4 with engine" in trainer.fit_result.report.extra["resumed"]  # the run report says it
+
+
+def test_a_deepspeed_checkpoint_does_not_move_to_another_engine_or_rank_count_and_says_both_sides():
+    ddp, zero = TrainSpec(batch_size=8), TrainSpec(batch_size=8, engine="deepspeed")
+    assert state_transfer_refusal({"engine": "ddp"}, 2, TrainSpec(batch_size=4, engine="fsdp"), 2) is None
+    assert "engine 'deepspeed' -> 'ddp'" in state_transfer_refusal({"engine": "deepspeed"}, 1, ddp, 1)
+    assert "engine 'ddp' -> 'deepspeed'" in state_transfer_refusal({"engine": "ddp"}, 1, zero, 1)
+    assert "on 2 rank(s) -> 1" in state_transfer_refusal({"engine": "deepspeed"}, 2, zero, 1)
+
+
+def test_a_resume_with_another_global_batch_is_refused_before_any_step(runs, tmp_path):
+    with pytest.raises(SpecError, match=r"global batch is 1 rank\(s\) x batch_size 8 = 8 samples, this run's 1 x 4"):
+        torch.manual_seed(0)
+        trainer = OptimizedTrainer(TinyCausalLM().double(), TokenDataset(64), spec(tmp_path, 1, resume=str(
+            runs / "single" / "step_00000002")).model_copy(update={"batch_size": 4}))
+        trainer.fit()

@@ -1,0 +1,107 @@
+"""A checkpoint continued on another number of ranks or by another engine (issue 37).
+
+Single process, DDP and FSDP2 checkpoints hold the same thing: the full model state (names as the plain module has
+them) and the full optimizer state, which FSDP2 gathers on rank 0 (``get_state_dict(full_state_dict=True)``). Only
+the optimizer state's keys differ: ``torch.optim.Optimizer.state_dict()`` numbers the parameters in the order of its
+param groups, torch's distributed-checkpoint API names them (``torch/distributed/checkpoint/state_dict.py``,
+``_state_dict_fn`` / ``_get_optim_state_dict`` with ``full_state_dict``). Both engines build the optimizer with the
+same factory over the same named parameters, so number k is the k-th parameter of the loading optimizer's groups:
+:func:`optimizer_state_by_name` and :func:`optimizer_state_by_index` translate, and any engine of the three loads what
+any other wrote. DeepSpeed writes per-rank ZeRO shards of its own (fp32 partitions, its own optimizer layout):
+a change to or from it, or of its rank count, is refused naming both sides.
+
+Usage::
+
+    refusal = state_transfer_refusal(saved_spec_dict, saved_world_size, spec, world_size)   # None: it carries over
+    state = optimizer_state_by_name(optimizer.state_dict(), optimizer, module)               # ints -> names
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+PORTABLE_ENGINES = ("ddp", "fsdp")  # full model + optimizer state: any of them loads what another wrote
+
+
+def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any, world_size: int) -> str | None:
+    """Why a checkpoint written by the spec `saved` (a dict) on `saved_world` ranks cannot be continued by `spec` on
+    `world_size` ranks; None when the state carries over (the global batch is checked apart)."""
+    old, new = saved.get("engine", "ddp"), spec.engine
+    if old == new and saved_world == world_size:
+        return None
+    if old in PORTABLE_ENGINES and new in PORTABLE_ENGINES:
+        return None
+    if old == new:
+        return (f"engine 'deepspeed' on {saved_world} rank(s) -> {world_size}: DeepSpeed's ZeRO checkpoint is one "
+                "shard per rank in its own layout. Resume on the same number of ranks, or convert the checkpoint to a "
+                "full state with DeepSpeed's zero_to_fp32 and start a new run from those weights")
+    return (f"engine '{old}' -> '{new}': a DeepSpeed checkpoint holds per-rank ZeRO shards in its own layout, the "
+            f"others a full state; they do not convert into each other exactly. Resume with engine: {old}, or start a "
+            "new run (save.resume: never) from the model's weights")
+
+
+def describe_transfer(saved: Mapping[str, Any], saved_world: int, spec: Any, world_size: int) -> dict[str, Any] | None:
+    """What changed at a resume on another rank count or engine ({"note": text, "world_size", "engine",
+    "batch_size", "from_...": ...}); None when nothing did. Usage: in the log, metrics.jsonl and the run report."""
+    old_engine, old_batch = saved.get("engine", "ddp"), saved.get("batch_size", spec.batch_size)
+    if (saved_world, old_engine) == (world_size, spec.engine):
+        return None
+    note = (f"resumed on {world_size} rank(s) x batch_size {spec.batch_size} with engine {spec.engine}, from "
+            f"{saved_world} x {old_batch} with engine {old_engine}: the same global batch of {old_batch * saved_world}")
+    if saved_world != world_size:
+        note += "; each rank's generators re-derived from the seed, the step and the rank"
+    return {"note": note, "world_size": world_size, "engine": spec.engine, "batch_size": spec.batch_size,
+            "from_world_size": saved_world, "from_engine": old_engine, "from_batch_size": old_batch}
+
+
+def _parameter_order(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
+    """The names of the optimizer's parameters, in the order ``Optimizer.state_dict()`` numbers them."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    order = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError("the optimizer holds a parameter the model does not name: its state cannot be "
+                                 "carried to another engine")
+            order.append(names[id(param)])
+    return order
+
+
+def is_named(optimizer_state: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state's parameters are named (torch's distributed-checkpoint format), not numbered."""
+    groups = optimizer_state.get("param_groups", [])
+    return any(isinstance(p, str) for group in groups for p in group.get("params", []))
+
+
+def optimizer_state_by_name(state: Mapping[str, Any], optimizer: torch.optim.Optimizer,
+                            module: nn.Module) -> dict[str, Any]:
+    """A numbered optimizer state (``Optimizer.state_dict()``) with each parameter named as in `module`."""
+    order = _parameter_order(optimizer, module)
+    return {"state": {order[index]: value for index, value in state["state"].items()},
+            "param_groups": [{**group, "params": [order[index] for index in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def optimizer_state_by_index(state: Mapping[str, Any], optimizer: torch.optim.Optimizer,
+                             module: nn.Module) -> dict[str, Any]:
+    """A named optimizer state (torch's distributed-checkpoint format) numbered as `optimizer` numbers its
+    parameters, for ``Optimizer.load_state_dict``."""
+    index = {name: k for k, name in enumerate(_parameter_order(optimizer, module))}
+    missing = [name for group in state["param_groups"] for name in group["params"] if name not in index]
+    if missing:
+        raise ValueError(f"the checkpoint's optimizer holds parameters this model's optimizer does not: {missing[:3]}")
+    return {"state": {index[name]: _local(value) for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _local(value: Any) -> Any:
+    """Per-parameter optimizer state as plain tensors (a full state holds no DTensor, but be sure)."""
+    if isinstance(value, Mapping):
+        return {k: _local(v) for k, v in value.items()}
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
