@@ -235,3 +235,18 @@ def test_unshifted_loss_is_measured_and_undecidable_asks_for_the_field():
     model = TokenTagger(reads_labels=False)
     assert probe_label_conventions(model, batch, shift_labels=True).shift_source == "loss.shift_labels"
     forget(model)
+
+
+def test_image_token_ids_are_found_in_any_sub_config() -> None:
+    """Phi-4-multimodal keeps its image token id in config.vision_config, not at the top nor in text_config: every
+    sub-config is read (the ids a model keeps in a config nested two deep too), never chosen by model type."""
+    phi4 = nn.Module()
+    phi4.config = transformers.Phi4MultimodalConfig()
+    assert getattr(phi4.config, "image_token_id", None) is None and phi4.config.vision_config.image_token_id == 200010
+    assert BatchLayout.from_model(phi4).image_token_ids == (200010,)
+
+    nested = nn.Module()
+    nested.config = transformers.PretrainedConfig(image_token_id=7)
+    nested.config.perception = transformers.PretrainedConfig()
+    nested.config.perception.video = transformers.PretrainedConfig(video_token_id=9, image_token_index=11)
+    assert BatchLayout.from_model(nested) == BatchLayout(image_token_ids=(7, 11), video_token_ids=(9,))

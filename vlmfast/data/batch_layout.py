@@ -67,7 +67,8 @@ class BatchLayout:
 
     @classmethod
     def from_model(cls, model: nn.Module | None) -> BatchLayout:
-        """Read the ids from a Hugging Face style config (``image_token_id`` / ``image_token_index`` ...)."""
+        """Read the ids from a Hugging Face style config (``image_token_id`` / ``image_token_index`` ...), at its top
+        level or in any of its sub-configs (``text_config``, Phi-4-multimodal's ``vision_config``, ...)."""
         model = getattr(model, "module", model)
         model = getattr(model, "_orig_mod", model)  # torch.compile
         config = getattr(model, "config", None)
@@ -79,12 +80,26 @@ class BatchLayout:
 
 def _config_ids(config: Any, names: Sequence[str]) -> tuple[int, ...]:
     found = []
-    for cfg in (config, getattr(config, "text_config", None)):
+    for cfg in _configs_within(config):
         for name in names:
             value = getattr(cfg, name, None)
             if isinstance(value, int) and value >= 0 and value not in found:
                 found.append(value)
     return tuple(found)
+
+
+def _configs_within(config: Any, depth: int = 3) -> list[Any]:
+    """``config`` and every config nested in it (attributes that are configs themselves), outermost first: where a
+    model keeps a token id is its own choice (top level, ``text_config``, ``vision_config``), never listed by type."""
+    found, level = [config], [config]
+    for _ in range(depth):
+        level = [value for cfg in level for value in vars(cfg).values() if _is_config(value)]
+        found += [cfg for cfg in level if all(cfg is not seen for seen in found)]
+    return found
+
+
+def _is_config(value: Any) -> bool:
+    return callable(getattr(value, "to_dict", None)) and callable(getattr(value, "to_json_string", None))
 
 
 def num_samples(batch: Any) -> int:
