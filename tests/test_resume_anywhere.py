@@ -109,3 +109,46 @@ def test_a_resume_with_another_global_batch_is_refused_before_any_step(runs, tmp
         trainer = OptimizedTrainer(TinyCausalLM().double(), TokenDataset(64), spec(tmp_path, 1, resume=str(
             runs / "single" / "step_00000002")).model_copy(update={"batch_size": 4}))
         trainer.fit()
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Sample i is its index; long-tailed lengths and 0-2 images for rank balance and length grouping."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.lengths = [8 + (i * 37) % 97 for i in range(n)]
+        self.modality_lengths = [n if i % 3 else -n for i, n in enumerate(self.lengths)]
+        self.image_counts = [i % 3 for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"index": torch.tensor(i)}
+
+
+def global_batches(data_spec: dict, world_size: int, steps: int, start: dict | None = None) -> list[set[int]]:
+    """The samples of each step over all ranks (each rank's loader built as that rank's trainer builds it)."""
+    from vlmfast.data import ResumableLoader
+    from vlmfast.spec import DataSpec
+
+    per_rank = []
+    for rank in range(world_size):
+        loader = ResumableLoader(Indexed(), GLOBAL_BATCH // world_size, DataSpec(**data_spec), seed=3, rank=rank,
+                                 world_size=world_size)
+        if start is not None:
+            loader.load_state_dict(start)
+        loader.start(steps)
+        per_rank.append([set(next(loader)["index"].tolist()) for _ in range(steps)])
+        loader.close()
+    return [set().union(*(batches[step] for batches in per_rank)) for step in range(steps)]
+
+
+@pytest.mark.parametrize("data_spec", [
+    {}, {"group_by_length": "modality_length"}, {"rank_balance": "tokens"},
+    {"rank_balance": "cost", "group_by_length": "length"}], ids=["plain", "grouped", "balanced", "balanced-grouped"])
+def test_every_step_deals_the_same_global_batch_on_any_rank_count_and_after_a_resume(data_spec):
+    one = global_batches(data_spec, 1, 12)  # 40 samples, 8 per step: 5 steps an epoch, so 2.4 epochs
+    assert all(len(batch) == GLOBAL_BATCH for batch in one)
+    assert global_batches(data_spec, 2, 12) == one == global_batches(data_spec, 4, 12)
+    resumed = global_batches(data_spec, 4, 5, start={"epoch": 1, "batch_in_epoch": 2})  # 1 rank's position, on 4
+    assert resumed == one[7:12], "sample by sample, the continuation on 4 ranks takes the uninterrupted run's batches"
