@@ -20,15 +20,18 @@ from vlmfast.spec import SpecError
 GLOBAL_BATCH, STEPS = 8, 4
 
 
-def spec(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never") -> TrainSpec:
+def spec(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never", lora: bool = False) -> TrainSpec:
     return TrainSpec(max_steps=STEPS, batch_size=GLOBAL_BATCH // world_size, engine=engine, seed=0,
                      optimizer={"lr": 1e-2}, log={"progress": "off", "dir": str(directory / "log")},
-                     save={"dir": str(directory), "every_steps": 2, "resume": resume})
+                     save={"dir": str(directory), "every_steps": 2, "resume": resume},
+                     lora={"enabled": lora, "r": 4})
 
 
-def train(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never") -> OptimizedTrainer:
+def train(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never",
+          lora: bool = False) -> OptimizedTrainer:
     torch.manual_seed(0)  # the same initial weights on every rank and in every run
-    trainer = OptimizedTrainer(TinyCausalLM().double(), TokenDataset(64), spec(directory, world_size, engine, resume))
+    trainer = OptimizedTrainer(TinyCausalLM().double(), TokenDataset(64),
+                               spec(directory, world_size, engine, resume, lora))
     trainer.fit_result = trainer.fit()
     return trainer
 
@@ -42,6 +45,7 @@ def _two_rank_cases(root: str, single_run: str) -> dict:
     resharded = train(root_path / "one_to_two", 2, resume=str(Path(single_run) / "step_00000002"))
     train(root_path / "ddp_to_fsdp", 2, engine="fsdp", resume=str(root_path / "ddp2" / "step_00000002"))
     train(root_path / "fsdp_to_ddp", 2, resume=str(root_path / "fsdp2" / "step_00000002"))
+    train(root_path / "lora_fsdp2", 2, engine="fsdp", lora=True)  # resumed on one rank by the test
     return {"resharded": resharded.resharded}
 
 
@@ -80,6 +84,16 @@ def runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("case", ["ddp2", "fsdp2", "one_to_two", "ddp_to_fsdp", "fsdp_to_ddp"])
 def test_two_rank_runs_and_continuations_end_where_one_process_does(runs, case):
     assert_same_run(runs / case, runs / "single")
+
+
+@pytest.mark.timeout(600)
+def test_lora_adapters_move_from_two_fsdp2_ranks_to_one_process(runs, tmp_path):
+    train(tmp_path / "single", 1, lora=True)  # the uninterrupted LoRA run
+    trainer = train(tmp_path / "resumed", 1, resume=str(runs / "lora_fsdp2" / "step_00000002"), lora=True)
+    assert trainer.resharded["from_engine"] == "fsdp"
+    weights, _ = final_state(tmp_path / "resumed")
+    assert weights and all("lora_" in name for name in weights)  # the adapters alone: the base is fingerprinted
+    assert_same_run(tmp_path / "resumed", tmp_path / "single")
 
 
 @pytest.mark.timeout(600)
