@@ -210,13 +210,16 @@ class OptimizedTrainer:
         """One step's time, from forward passes of the first samples (data.num_workers auto sizes the loader by it,
         before any worker starts); None when the samples cannot be spared or run (the loader's rate alone decides)."""
         size = self.spec.resolved_micro_batch_size
+        if self.engine.shards_parameters:  # its forward all-gathers: a rank whose probe failed would strand the rest
+            return None
         try:
             samples = probe_samples(self.train_data, count=size)
             if not samples:
                 return None
             batch = self.engine.prepare_inputs(
                 move_to_device((self.collate_fn or torch.utils.data.default_collate)(samples), self.device))
-            return estimate_step_seconds(self.model, batch, self.device, self.forward_context,
+            # the plain module: DDP's wrapper would broadcast buffers, a collective no other rank may be in
+            return estimate_step_seconds(self.engine.module, batch, self.device, self.forward_context,
                                          micro_batches=-(-self.spec.batch_size // size))
         except Exception as exc:  # a bad first sample is the loader's to skip and count, not the estimate's
             log.info("num_workers auto: no step-time estimate (%s: %s); the loader's rate alone decides",
