@@ -155,6 +155,10 @@ def test_enable_tf32_sets_the_backend_flags():
 #   activation_checkpointing fewer bytes saved for backward by one forward of the trainer's model
 #   linear_cross_entropy     fewer bytes saved for backward (no logits kept) and the same loss, or refused with why
 #   ema                      averaged weights that differ from the trained ones
+#   packing                  the model sees fewer rows than samples (packed), or refused naming the key it cannot lay
+#                            out (Fuyu's per-sample image_patches)
+#   grad_clip                the weights move by at most lr * grad_clip per SGD step (unclipped: ~1000x more)
+#   lora                     only the adapters train
 # What a CPU cannot show: the wall-clock and GPU-memory gains themselves (compile, attention kernels, the cache's
 # tower time on a GPU) - those are the benchmarks' (vlmfast bench) business.
 FROZEN_IMAGE_PATH = {"tiny_vlm": ["vision_tower", "multi_modal_projector"],
@@ -205,7 +209,10 @@ FAMILIES = {"tiny_vlm": _tiny_vlm, "llava_next": _llava_next, "fuyu": _fuyu}
 STRATEGIES = {"vision_cache": lambda tmp: {"vision_cache": {"enabled": True, "dir": str(tmp / "cache")}},
               "activation_checkpointing": lambda tmp: {"activation_checkpointing": {"enabled": True}},
               "linear_cross_entropy": lambda tmp: {"linear_cross_entropy": {"enabled": True}},
-              "ema": lambda tmp: {"ema": {"enabled": True, "decay": 0.5}}}
+              "ema": lambda tmp: {"ema": {"enabled": True, "decay": 0.5}},
+              "packing": lambda tmp: {"packing": {"enabled": True}},
+              "grad_clip": lambda tmp: {"grad_clip": 1e-3},
+              "lora": lambda tmp: {"lora": {"enabled": True, "r": 2}}}
 
 
 def _strategy_run(family: str, fields: dict):
@@ -227,10 +234,13 @@ def _saved_bytes(model, batch) -> int:
 def test_enabling_a_strategy_has_its_measured_effect_or_a_logged_reason(tmp_path, caplog, family, strategy):
     caplog.set_level("WARNING")
     try:
-        trainer, samples, collate = _strategy_run(family, STRATEGIES[strategy](tmp_path))
-    except ValueError as exc:  # refused at set-up: the error names the strategy and why
+        _check_strategy_effect(family, strategy, tmp_path, caplog)
+    except ValueError as exc:  # refused (at set-up or on the first batch): the error names the strategy and why
         assert strategy in str(exc), exc
-        return
+
+
+def _check_strategy_effect(family: str, strategy: str, tmp_path, caplog) -> None:
+    trainer, samples, collate = _strategy_run(family, STRATEGIES[strategy](tmp_path))
     batch = collate(samples[:4])
     if strategy in ("activation_checkpointing", "linear_cross_entropy"):
         plain, _, _ = _strategy_run(family, {})
@@ -248,7 +258,22 @@ def test_enabling_a_strategy_has_its_measured_effect_or_a_logged_reason(tmp_path
                 said_by_step_1.extend(r.getMessage() for r in caplog.records)
 
     trainer.callbacks.append(FirstStep())
+    rows: list[int] = []
+    trainer.model.register_forward_pre_hook(lambda m, a, k: rows.append(k["input_ids"].shape[0]), with_kwargs=True)
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     result = trainer.fit()
+    if strategy == "packing":  # 4 samples a step, in fewer rows
+        assert max(rows) < 4, rows
+        return
+    if strategy in ("grad_clip", "lora"):
+        moved = {n: (p.detach() - start[n]).norm() for n, p in trainer.model.named_parameters() if n in start}
+        if strategy == "lora":
+            trained = sorted(n for n, d in moved.items() if d > 0)
+            assert trained and all("lora_" in n for n in trained), trained[:5]
+            return
+        step_bound = 0.01 * 1e-3  # lr * grad_clip; the gradients' norm is 1.5 to 4.4 here
+        assert 0 < float(torch.stack(list(moved.values())).norm()) <= 3 * step_bound * 1.001
+        return
     line = next(s for s in result.report.strategies if s.startswith(strategy))
     if strategy == "ema":
         ema = next(s for s in trainer.strategies if s.name == "ema").ema
