@@ -31,6 +31,11 @@ REFUSED = {  # family -> what the refusal must say: refused by its batch layout,
     "cnn": r"packing needs token sequences.*a list",
     # InstructBLIP's Q-Former prompt is one per sample: a packed row of several samples has no place for them
     "instructblip": r"packing cannot lay out batch key 'qformer_input_ids'.*a per-sample value has no layout rule",
+    # Measured by the probe at construction: Kosmos-2's vision model takes [images, C, H, W], not a row's [1, n, C,
+    # H, W]; with image_layout flat it runs but is not exact (logits 1.3 off: its text model's positions and
+    # attention span the whole row)
+    "kosmos2": r"packing: Kosmos2ForConditionalGeneration fails on packed rows \(ValueError: too many values to "
+               r"unpack.*pixel_values \(1, \d+, 3, 16, 16\)",
 }
 # Any other family is packed when the probe measures packing exact and refused, with this reason, when it does not:
 # which of the two a model gets may change between releases of transformers (PaliGemma's token_type_ids mask did).

@@ -423,6 +423,55 @@ def _llava_onevision(seed: int) -> ZooCase:
                    image_token_ids=(ids["<image>"],))
 
 
+def _aya_vision(seed: int) -> ZooCase:
+    """Aya Vision: SigLIP tiles (+ a global one) pixel-shuffled 2x2 into 4 ``<|IMG_PATCH|>`` tokens each; its text
+    config is Cohere 2's, whose ``logit_scale`` (0.0625) Aya Vision's own head never applies."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>",
+               "<|IMG_LINE_BREAK|>", "TILE_GLOBAL", "TILE_1", "TILE_2"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.GotOcr2ImageProcessorPil(size={"height": 16, "width": 16}, crop_to_patches=True,
+                                                 min_patches=1, max_patches=2)
+    processor = T.AyaVisionProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=4,
+                                     img_size=16, downsample_factor=2)
+    torch.manual_seed(seed)
+    vision = T.SiglipVisionConfig(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, vision_use_head=False)
+    text = T.Cohere2Config(**_text_config(len(tokenizer), head_dim=8, pad_token_id=0, bos_token_id=ids["<s>"],
+                                          eos_token_id=ids["</s>"], sliding_window=8,
+                                          layer_types=["sliding_attention", "full_attention"]))
+    config = T.AyaVisionConfig(vision_config=vision, text_config=text, downsample_factor=2,
+                               image_token_index=ids["<|IMG_PATCH|>"])
+    model = T.AyaVisionForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<image>", tuple(ids.values()))
+    return ZooCase("aya_vision", model, _items(seed, [(16, 16), (16, 32), (32, 16)]), collate,
+                   image_token_ids=(ids["<|IMG_PATCH|>"],))
+
+
+def _chameleon(seed: int) -> ZooCase:
+    """Chameleon: each image a VQ-VAE's 4 discrete codes, written into the ``<image>`` placeholders as the BPE ids of
+    its ``IMGIMG*`` vocabulary entries; the forward masks those entries' logits (``finfo.min``)."""
+    import transformers as T
+
+    codes = [f"IMGIMG{chr(ord('A') + i)}Z" for i in range(8)]  # code i's BPE token (digits written A..J)
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<image>", "<racm3:break>", "<eoss>", *codes]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.ChameleonImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    processor = T.ChameleonProcessor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4)
+    torch.manual_seed(seed)
+    vq = dict(embed_dim=8, num_embeddings=len(codes), latent_channels=8, resolution=16, base_channels=32,
+              channel_multiplier=[1, 1, 1, 1], num_res_blocks=1)
+    config = T.ChameleonConfig(**_text_config(len(tokenizer), pad_token_id=0, bos_token_id=ids["<s>"],
+                                              eos_token_id=ids["</s>"]), vq_config=vq,
+                               vocabulary_map=tokenizer.get_vocab())
+    model = T.ChameleonForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<image>", tuple(ids.values()), extra={"return_for_text_completion": True})
+    return ZooCase("chameleon", model, _items(seed, [(16, 16), (24, 16)]), collate, image_token_ids=(ids["<image>"],))
+
+
 def _pixtral_processor_class() -> type:
     """The real PixtralProcessor. Its module imports ``get_resize_output_image_size`` from the torchvision image
     processor's module (torchvision is absent here), only to count tokens for vLLM-style callers: it is imported with
@@ -485,17 +534,20 @@ def _llava_lora(seed: int) -> ZooCase:
 
 
 @dataclass
-class InstructBlipCollate:
-    """InstructBLIP's processor: the LM text after the image's query tokens, the same text as the Q-Former's prompt
-    (``qformer_input_ids``); one image per sample (the model reads ``pixel_values`` on every forward)."""
+class OneImageCollate:
+    """A processor that takes exactly one image with each text (InstructBLIP, Kosmos-2): labels = input_ids but for
+    the ``ignore_ids`` and the image's own positions (``image_embeds_position_mask`` where the processor gives it)."""
 
     processor: Any
     ignore_ids: tuple[int, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch = dict(self.processor(text=[s["text"] for s in samples], images=[s["images"][0] for s in samples],
-                                    padding=True, return_tensors="pt"))
+                                    padding=True, return_tensors="pt", **self.extra))
         batch["labels"] = _labels(batch["input_ids"], self.ignore_ids)
+        if "image_embeds_position_mask" in batch:
+            batch["labels"] = batch["labels"].masked_fill(batch["image_embeds_position_mask"].bool(), -100)
         return batch
 
 
@@ -523,9 +575,34 @@ def _instructblip(seed: int) -> ZooCase:
     samples = _items(seed, [(16, 16), (24, 16)])
     for i, sample in enumerate(samples):  # exactly one image per sample
         sample["images"] = sample["images"][:1] or _rng_images(seed + i, [(16, 16)])
-    return ZooCase("instructblip", model, samples, InstructBlipCollate(processor, (0, 1, 2, 3, image_id)),
+    return ZooCase("instructblip", model, samples, OneImageCollate(processor, (0, 1, 2, 3, image_id)),
                    image_token_ids=(image_id,), notes=["one image per sample: the model takes pixel_values always"])
 
+
+
+def _kosmos2(seed: int) -> ZooCase:
+    """Kosmos-2: a CLIP-like ViT, a resampler of 4 latent queries, their embeddings written where
+    ``image_embeds_position_mask`` says (after ``<image>``); one image per sample, as its processor takes."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    image_processor = T.CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    processor = T.Kosmos2Processor(image_processor=image_processor, tokenizer=tokenizer, num_patch_index_tokens=4)
+    torch.manual_seed(seed)
+    vision = dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2)
+    text = dict(vocab_size=len(tokenizer), embed_dim=32, layers=2, ffn_dim=64, attention_heads=4,
+                max_position_embeddings=128, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                layerdrop=0.0, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    config = T.Kosmos2Config(vision_config=vision, text_config=text, latent_query_num=4)
+    model = T.Kosmos2ForConditionalGeneration(config)
+    ignore = tuple(tokenizer.convert_tokens_to_ids(t) for t in [*special, *processor.tag_tokens])
+    samples = _items(seed, [(16, 16), (24, 16)])
+    for i, sample in enumerate(samples):  # exactly one image per sample
+        sample["images"] = sample["images"][:1] or _rng_images(seed + i, [(16, 16)])
+    return ZooCase("kosmos2", model, samples, OneImageCollate(processor, ignore, {"num_image_tokens": 4}),
+                   notes=["one image per sample: its processor takes one image with each text"])
 
 @dataclass
 class TextCollate:
@@ -603,6 +680,9 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "mistral3": _mistral3,
     "llava_lora": _llava_lora,
     "instructblip": _instructblip,
+    "aya_vision": _aya_vision,
+    "chameleon": _chameleon,
+    "kosmos2": _kosmos2,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
@@ -610,7 +690,8 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
 }
 ZOO = tuple(BUILDERS)
 VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
-             "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip")
+             "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip", "aya_vision",
+             "chameleon", "kosmos2")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:

@@ -218,9 +218,13 @@ def _trim(key: str, value: Any, pick: Pick, tokens: tuple[int, int] | None) -> A
         return value
     if key in pick.slots and value.dim() >= 3:
         return value[:, : pick.slots[key]]
-    if tokens is None or _is_image_key(key):
+    if tokens is None:
         return value
     rows, width = len(pick.rows), tokens[1]
+    if value.shape == (rows, width):  # shaped like input_ids: per token whatever its name (Kosmos-2's
+        return value[:, pick.columns]  # image_embeds_position_mask marks its image positions among the tokens)
+    if _is_image_key(key):
+        return value
     if key == "position_ids" and value.dim() == 3 and value.shape[1:] == (rows, width):
         return value[:, :, pick.columns]
     if value.shape[:2] == (rows, width):  # [rows, T, ...]: per token (a non-image key)
