@@ -288,7 +288,8 @@ def _check_strategy_effect(family: str, strategy: str, tmp_path, caplog) -> None
     # (the strategy line) and the metrics.
     assert served == 0 and len(said) == 1, said
     assert said[0] in said_by_step_1, said_by_step_1  # said during the first step (its first forward), not after
-    reason = {"llava_next": "uses trainable parameters besides the frozen", "fuyu": "its layout was never learned"}
+    reason = {"llava_next": "uses trainable parameters (image_newline) besides the frozen",
+              "fuyu": "its layout was never learned"}
     assert reason[family] in said[0] and reason[family] in line, (said, line)
     first = result.history[0]
     assert first["vision_cache/off"] == 1 or first["vision_cache/bypassed"] > 0, first

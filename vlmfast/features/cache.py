@@ -128,7 +128,7 @@ class FeatureCache:
         self._probed = False
         self._trial: Any = None  # while learning the layout: "real" or the candidate adapter being tried
         self._trial_error: str | None = None
-        self._trainable_inside = False  # the real call's output required a gradient (learn_layout)
+        self._trainable_inside: list[str] | bool = False  # the real call's output needed a gradient: of these
         self._runs = 0
         self._timed_runs = 0
         self._events: list[tuple[Any, Any, int]] = []  # CUDA (start, end, images) not yet read
@@ -173,7 +173,8 @@ class FeatureCache:
                 self._trial, self._trainable_inside = "real", False
                 reference = model_results(model.forward(*args, **kwargs))
                 if self._trainable_inside:
-                    adapter.failed = (f"{self.unit.name} uses trainable parameters besides the frozen "
+                    used = ", ".join(self._trainable_inside) if isinstance(self._trainable_inside, list) else "some"
+                    adapter.failed = (f"{self.unit.name} uses trainable parameters ({used}) besides the frozen "
                                       f"{', '.join(self.unit.modules)} (its output requires a gradient): freeze them "
                                       "too, or set vision_cache.enabled: false")
                     self._refuse(adapter.failed)
@@ -204,8 +205,9 @@ class FeatureCache:
         if candidate == "real":  # with gradients on: features of frozen weights alone must not require one
             with torch.enable_grad():
                 output = self._original(*args, **kwargs)
-            if any(t.requires_grad for t in output_tensors(output)):
-                self._trainable_inside = True
+                needing = [t for t in output_tensors(output) if t.requires_grad]
+                if needing:
+                    self._trainable_inside = self._trainable_used(needing) or True
             return output
         images = None if arguments is None else candidate.split(arguments)
         if images is None:
@@ -220,6 +222,15 @@ class FeatureCache:
         if not (alone and tensors_close(alone[0], features[-1])):
             self._trial_error = "an image run alone gives other features than in the whole call"
         return candidate.assemble(features, images, arguments)
+
+    def _trainable_used(self, outputs: list[Tensor]) -> list[str]:
+        """The trainable parameters of the call's owner that `outputs` depend on (found by autograd, not by name)."""
+        named = [(name, p) for name, p in self.unit.owner.named_parameters() if p.requires_grad]
+        if not named:
+            return []
+        total = sum(t.float().sum() for t in outputs)
+        grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
+        return [name for (name, _), grad in zip(named, grads, strict=True) if grad is not None][:5]
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         pending, self._pending = self._pending, None
