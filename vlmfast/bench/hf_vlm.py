@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from vlmfast.bench.multi_image import MultiImageShapesDataset
 from vlmfast.bench.workload import Workload
 from vlmfast.data.packing import IMAGE_PLACEHOLDER_ID
-from vlmfast.models.shapes import VLMCollator
+from vlmfast.models.shapes import VLMCollator, right_padded
 
 __all__ = ["HF_MODELS", "HFVLMWorkload", "ProcessorCollator", "build_hf_workload", "build_llava", "fill_batch_size",
            "llava_config"]
@@ -136,12 +136,7 @@ class ProcessorCollator:
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
         if not samples:
             raise ValueError("cannot collate an empty batch")
-        ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
-        input_ids = torch.full((len(ids), max(len(x) for x in ids)), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, seq in enumerate(ids):
-            input_ids[row, : len(seq)] = seq
-            attention_mask[row, : len(seq)] = 1
+        input_ids, attention_mask = right_padded([s["input_ids"] for s in samples], self.pad_id)
         image = input_ids == IMAGE_PLACEHOLDER_ID
         input_ids = input_ids.masked_fill(image, self.image_token_index)
         labels = input_ids.masked_fill(image | (attention_mask == 0), self.ignore_index)

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from vlmfast.data.packing import IMAGE_PLACEHOLDER_ID
-from vlmfast.models.shapes import Scene, ShapesTokenizer, VLMCollator, render_scene, sample_scene
+from vlmfast.models.shapes import Scene, ShapesTokenizer, VLMCollator, render_scene, right_padded, sample_scene
 
 __all__ = ["MultiImageCollator", "MultiImageShapesDataset"]
 
@@ -115,13 +115,8 @@ class MultiImageCollator:
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
         if not samples:
             raise ValueError("cannot collate an empty batch")
-        ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
-        rows, longest = len(ids), max(len(x) for x in ids)
-        input_ids = torch.full((rows, longest), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, seq in enumerate(ids):
-            input_ids[row, : len(seq)] = seq
-            attention_mask[row, : len(seq)] = 1
+        input_ids, attention_mask = right_padded([s["input_ids"] for s in samples], self.pad_id)
+        rows, longest = input_ids.shape
         labels = input_ids.masked_fill((attention_mask == 0) | (input_ids == IMAGE_PLACEHOLDER_ID), self.ignore_index)
         counts = [len(s["images"]) for s in samples]
         size = self.image_size

@@ -262,6 +262,18 @@ class ShapesCaptionDataset(Dataset[dict[str, Any]]):
         }
 
 
+def right_padded(sequences: Sequence[Any], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token sequences as one right-padded ``input_ids`` [rows, longest] and its ``attention_mask`` (1 on tokens).
+    Usage: ``input_ids, attention_mask = right_padded([s["input_ids"] for s in samples], pad_id=0)``"""
+    ids = [torch.as_tensor(seq, dtype=torch.long) for seq in sequences]
+    input_ids = torch.full((len(ids), max(len(x) for x in ids)), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, seq in enumerate(ids):
+        input_ids[row, : len(seq)] = seq
+        attention_mask[row, : len(seq)] = 1
+    return input_ids, attention_mask
+
+
 @dataclass
 class VLMCollator:
     """Batch samples into model inputs: resized, normalised images and right-padded captions.
@@ -281,12 +293,7 @@ class VLMCollator:
         if not samples:
             raise ValueError("cannot collate an empty batch")
         pixel_values = torch.cat([self._resize(s["image"]) for s in samples])
-        ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
-        input_ids = torch.full((len(ids), max(len(x) for x in ids)), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, seq in enumerate(ids):
-            input_ids[row, : len(seq)] = seq
-            attention_mask[row, : len(seq)] = 1
+        input_ids, attention_mask = right_padded([s["input_ids"] for s in samples], self.pad_id)
         labels = input_ids.masked_fill(attention_mask == 0, self.ignore_index)
         return {
             "pixel_values": pixel_values,
