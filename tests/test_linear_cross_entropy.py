@@ -243,6 +243,16 @@ def test_an_encoder_decoder_gets_its_decoder_inputs_from_the_labels_and_the_same
     assert _relative(torch.cat([p.grad.flatten() for p in chunked.parameters()]), theirs) < 1e-10
 
 
+def test_a_forward_that_takes_decoder_input_ids_over_a_decoder_only_lm_is_not_an_encoder_decoder() -> None:
+    """InstructBLIP's forward takes decoder_input_ids (for its T5 variants) but its language model here is a Llama:
+    the configs, not the signature, decide (it was refused as an encoder-decoder for a while)."""
+    from zoo import build_case
+
+    case = build_case("instructblip")
+    state = apply_linear_cross_entropy(case.model)
+    assert state.decoder_inputs is None
+
+
 def test_an_encoder_decoder_without_a_way_to_make_its_decoder_inputs_is_refused_naming_the_strategy() -> None:
     model = _encoder_decoder("bart")
     model.prepare_decoder_input_ids_from_labels = None  # neither the model's own shift ...

@@ -562,19 +562,19 @@ def _protocol_source(model: nn.Module) -> _Source:
                    transform, bool(shift), lambda loss: ChunkedLossOutput(loss=loss))
 
 
-def _decoder_inputs_from_labels(model: nn.Module, original: Callable[..., Any]) -> Callable[[Tensor], Tensor] | None:
-    """How an encoder-decoder (its config's ``is_encoder_decoder``, or a forward taking ``decoder_input_ids``) makes
-    its decoder's inputs from the labels when it is given only labels: its own
-    ``prepare_decoder_input_ids_from_labels``, else the labels shifted right after ``decoder_start_token_id``.
-    None for a decoder-only model; refused when an encoder-decoder shows neither."""
+def _decoder_inputs_from_labels(model: nn.Module) -> Callable[[Tensor], Tensor] | None:
+    """How an encoder-decoder (``is_encoder_decoder`` in its config or its text config: a forward that merely takes
+    ``decoder_input_ids``, such as InstructBLIP's for its T5 variants, may run a decoder-only LM) makes its decoder's
+    inputs from the labels when it is given only labels: its own ``prepare_decoder_input_ids_from_labels``, else the
+    labels shifted right after ``decoder_start_token_id``. None for a decoder-only model; refused when an
+    encoder-decoder shows neither."""
     config = getattr(model, "config", None)
-    takes = inspect.signature(original).parameters
-    if not (getattr(config, "is_encoder_decoder", False) or "decoder_input_ids" in takes):
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    if not any(getattr(c, "is_encoder_decoder", False) for c in (config, text)):
         return None
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     if callable(prepare):
         return lambda labels: prepare(labels=labels)
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     start = getattr(config, "decoder_start_token_id", None)
     start = start if start is not None else getattr(text, "decoder_start_token_id", None)
     if start is None:
@@ -782,7 +782,7 @@ def apply_linear_cross_entropy(
         source=source, original=original, signature=inspect.signature(original),
         chunk_tokens=chunk_tokens or auto_chunk_tokens(weight.shape[0]),
         impl=resolve_impl(impl, weight.device), label_smoothing=label_smoothing, z_loss=z_loss, verify=verify,
-        recompute=recompute, decoder_inputs=_decoder_inputs_from_labels(model, original), impl_auto=impl == "auto")
+        recompute=recompute, decoder_inputs=_decoder_inputs_from_labels(model), impl_auto=impl == "auto")
     model._vlmfast_lce = state
     model.forward = types.MethodType(_chunked_forward, model)
     return state
