@@ -20,25 +20,27 @@ from vlmfast.spec import SpecError
 GLOBAL_BATCH, STEPS = 8, 4
 
 
-def spec(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never", lora: bool = False) -> TrainSpec:
+def spec(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never", lora: bool = False,
+         zero_stage: int = 2) -> TrainSpec:
     return TrainSpec(max_steps=STEPS, batch_size=GLOBAL_BATCH // world_size, engine=engine, seed=0,
                      optimizer={"lr": 1e-2}, log={"progress": "off", "dir": str(directory / "log")},
                      save={"dir": str(directory), "every_steps": 2, "resume": resume},
-                     lora={"enabled": lora, "r": 4})
+                     lora={"enabled": lora, "r": 4}, deepspeed={"zero_stage": zero_stage})
 
 
 def train(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never",
-          lora: bool = False) -> OptimizedTrainer:
+          lora: bool = False, zero_stage: int = 2) -> OptimizedTrainer:
     torch.manual_seed(0)  # the same initial weights on every rank and in every run
     trainer = OptimizedTrainer(TinyCausalLM().double(), TokenDataset(64),
-                               spec(directory, world_size, engine, resume, lora))
+                               spec(directory, world_size, engine, resume, lora, zero_stage))
     trainer.fit_result = trainer.fit()
     return trainer
 
 
 def _two_rank_cases(root: str, single_run: str) -> dict:
     """On each of 2 ranks: DDP and FSDP2 runs from scratch (their step-2 checkpoints are resumed elsewhere), then
-    1 -> 2 ranks, DDP -> FSDP2 and FSDP2 -> DDP continuations from step 2."""
+    1 -> 2 ranks, DDP -> FSDP2 and FSDP2 -> DDP continuations from step 2; last (DeepSpeed patches torch for the
+    rest of the process) a ZeRO-2 run, resumed on one rank by the test."""
     root_path = Path(root)
     train(root_path / "ddp2", 2)
     train(root_path / "fsdp2", 2, engine="fsdp")
@@ -46,6 +48,7 @@ def _two_rank_cases(root: str, single_run: str) -> dict:
     train(root_path / "ddp_to_fsdp", 2, engine="fsdp", resume=str(root_path / "ddp2" / "step_00000002"))
     train(root_path / "fsdp_to_ddp", 2, resume=str(root_path / "fsdp2" / "step_00000002"))
     train(root_path / "lora_fsdp2", 2, engine="fsdp", lora=True)  # resumed on one rank by the test
+    train(root_path / "zero2", 2, engine="deepspeed", zero_stage=2)  # float64 weights, fp32 masters in DeepSpeed
     return {"resharded": resharded.resharded}
 
 
@@ -109,10 +112,22 @@ def test_a_two_rank_run_continues_on_one_rank_with_the_global_batch(runs, source
     assert "from 2 x 4 with engine" in trainer.fit_result.report.extra["resumed"]  # the run report says it
 
 
+@pytest.mark.timeout(600)
+def test_a_zero2_checkpoint_of_two_ranks_continues_on_one_ddp_rank(runs, tmp_path):
+    """The ZeRO-2 shards (fp32 master slices, Adam's flat exp_avg / exp_avg_sq slices per rank) are merged into the full
+    state: the continuation ends where the uninterrupted float64 run does (DeepSpeed's fp32 masters round the
+    step-2 state to float32: far below 1e-6), Adam's moments and step counts carried over."""
+    trainer = train(tmp_path, 1, resume=str(runs / "zero2" / "step_00000002"))
+    assert trainer.resharded["from_engine"] == "deepspeed" and trainer.resharded["from_world_size"] == 2
+    assert_same_run(tmp_path, runs / "single")
+
+
 def test_a_deepspeed_checkpoint_does_not_move_to_another_engine_or_rank_count_and_says_both_sides():
     ddp, zero = TrainSpec(batch_size=8), TrainSpec(batch_size=8, engine="deepspeed")
     assert state_transfer_refusal({"engine": "ddp"}, 2, TrainSpec(batch_size=4, engine="fsdp"), 2) is None
-    assert "engine 'deepspeed' -> 'ddp'" in state_transfer_refusal({"engine": "deepspeed"}, 1, ddp, 1)
+    assert state_transfer_refusal({"engine": "deepspeed", "deepspeed": {"zero_stage": 1}}, 2, ddp, 1) is None
+    zero3 = {"engine": "deepspeed", "deepspeed": {"zero_stage": 3}}
+    assert "engine 'deepspeed' (ZeRO-3) -> 'ddp'" in state_transfer_refusal(zero3, 1, ddp, 1)
     assert "engine 'ddp' -> 'deepspeed'" in state_transfer_refusal({"engine": "ddp"}, 1, zero, 1)
     assert "on 2 rank(s) -> 1" in state_transfer_refusal({"engine": "deepspeed"}, 2, zero, 1)
 

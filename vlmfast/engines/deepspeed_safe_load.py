@@ -23,6 +23,7 @@ import importlib
 import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,28 @@ def deepspeed_safe_globals() -> list[Any]:
     return found
 
 
+def load_weights_only(path: str | Path, map_location: Any = "cpu", allowed: list[Any] | None = None) -> Any:
+    """One DeepSpeed shard, unpickled weights-only with the allow-list (`allowed`: deepspeed_safe_globals()); a
+    shard that needs anything else is refused naming the file and the global (CorruptCheckpointError)."""
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals() if allowed is None else allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line),
+                      str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        raise CorruptCheckpointError(
+            f"{path}: refused: unpickling it needs something other than tensors and DeepSpeed's own state "
+            f"({reason[:300]}). It was read with torch's weights-only unpickler, so nothing in it ran. Only resume "
+            "from checkpoints this run (or someone you trust) wrote; delete that checkpoint folder to resume from "
+            "the previous one"
+        ) from exc
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CorruptCheckpointError(f"{path} cannot be read ({type(exc).__name__}: {first}): it is truncated or "
+                                     "corrupt. Delete that checkpoint folder to resume from the previous one"
+                                     ) from exc
+
+
 class WeightsOnlyCheckpointEngine:
     """Stands in for DeepSpeed's checkpoint engine while loading: ``load`` unpickles weights-only; the rest is the
     wrapped engine's."""
@@ -61,23 +84,7 @@ class WeightsOnlyCheckpointEngine:
         self._allowed = deepspeed_safe_globals()
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        try:
-            with torch.serialization.safe_globals(self._allowed):
-                return torch.load(path, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            reason = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line),
-                          str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
-            raise CorruptCheckpointError(
-                f"{path}: refused: unpickling it needs something other than tensors and DeepSpeed's own state "
-                f"({reason[:300]}). It was read with torch's weights-only unpickler, so nothing in it ran. Only resume "
-                "from checkpoints this run (or someone you trust) wrote; delete that checkpoint folder to resume from "
-                "the previous one"
-            ) from exc
-        except (RuntimeError, EOFError, ValueError, OSError) as exc:
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise CorruptCheckpointError(f"{path} cannot be read ({type(exc).__name__}: {first}): it is truncated or "
-                                         "corrupt. Delete that checkpoint folder to resume from the previous one"
-                                         ) from exc
+        return load_weights_only(path, map_location, self._allowed)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._wrapped, name)

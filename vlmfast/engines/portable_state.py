@@ -7,8 +7,10 @@ param groups, torch's distributed-checkpoint API names them (``torch/distributed
 ``_state_dict_fn`` / ``_get_optim_state_dict`` with ``full_state_dict``). Both engines build the optimizer with the
 same factory over the same named parameters, so number k is the k-th parameter of the loading optimizer's groups:
 :func:`optimizer_state_by_name` and :func:`optimizer_state_by_index` translate, and any engine of the three loads what
-any other wrote. DeepSpeed writes per-rank ZeRO shards of its own (fp32 partitions, its own optimizer layout):
-a change to or from it, or of its rank count, is refused naming both sides.
+any other wrote. DeepSpeed writes per-rank ZeRO shards of its own (fp32 partitions, its own optimizer layout): a
+ZeRO-1/2 checkpoint is merged into that full state (vlmfast.engines.zero_state, DeepSpeed's zero_to_fp32 merge), so
+it continues on any rank count with another engine; a change to DeepSpeed, from ZeRO-0/3, or of DeepSpeed's rank
+count, is refused naming both sides.
 
 Usage::
 
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmfast.engines.zero_state import CONVERTIBLE_ZERO_STAGES
+
 PORTABLE_ENGINES = ("ddp", "fsdp")  # full model + optimizer state: any of them loads what another wrote
 
 
@@ -35,13 +39,21 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
         return None
     if old in PORTABLE_ENGINES and new in PORTABLE_ENGINES:
         return None
+    stage = saved.get("deepspeed", {}).get("zero_stage", 2)
+    if old == "deepspeed" and new in PORTABLE_ENGINES and stage in CONVERTIBLE_ZERO_STAGES:
+        return None  # its shards are merged into the full state (vlmfast.engines.zero_state)
     if old == new:
         return (f"engine 'deepspeed' on {saved_world} rank(s) -> {world_size}: DeepSpeed's ZeRO checkpoint is one "
                 "shard per rank in its own layout. Resume on the same number of ranks, or convert the checkpoint to a "
                 "full state with DeepSpeed's zero_to_fp32 and start a new run from those weights")
-    return (f"engine '{old}' -> '{new}': a DeepSpeed checkpoint holds per-rank ZeRO shards in its own layout, the "
-            f"others a full state; they do not convert into each other exactly. Resume with engine: {old}, or start a "
-            "new run (save.resume: never) from the model's weights")
+    if old == "deepspeed":
+        return (f"engine 'deepspeed' (ZeRO-{stage}) -> '{new}': only a ZeRO-1/2 checkpoint (one flat fp32 partition "
+                f"per rank) is merged into the full state another engine loads; ZeRO-{stage}'s is not. Resume with "
+                "engine: deepspeed, or start a new run (save.resume: never) from the model's weights")
+    return (f"engine '{old}' -> '{new}': a DeepSpeed engine restores only its own per-rank ZeRO shards "
+            "(engine.load_checkpoint); a full state (weights and Adam moments per parameter) would have to be "
+            "written out as DeepSpeed's universal checkpoint first, which vlmfast does not do. Resume with engine: "
+            f"{old}, or start a new run (save.resume: never) from the model's weights")
 
 
 def describe_transfer(saved: Mapping[str, Any], saved_world: int, spec: Any, world_size: int) -> dict[str, Any] | None:
@@ -95,7 +107,9 @@ def optimizer_state_by_index(state: Mapping[str, Any], optimizer: torch.optim.Op
     if missing:
         raise ValueError(f"the checkpoint's optimizer holds parameters this model's optimizer does not: {missing[:3]}")
     return {"state": {index[name]: _local(value) for name, value in state["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+            # sorted: the loading optimizer's order (Optimizer.load_state_dict pairs a group's parameters by
+            # position; a DeepSpeed group may list them in another order)
+            "param_groups": [{**group, "params": sorted(index[name] for name in group["params"])}
                              for group in state["param_groups"]]}
 
 

@@ -555,8 +555,11 @@ class OptimizedTrainer:
             raise SpecError(f"cannot resume: {refusal}")
         check_global_batch(state["spec"].get("batch_size", self.spec.batch_size), saved_world, self.spec.batch_size,
                            self.world_size)
-        # verified above: the same global batch on another rank count; engines whose full state any of them loads
-        check_resume_compatible(state["spec"], self.spec.to_dict(), accepted=("batch_size", "engine"))
+        # verified above: the same global batch on another rank count; engines whose full state any of them loads (a
+        # ZeRO stage is no change once the checkpoint leaves DeepSpeed: its shards are merged into the full state)
+        moved = state["spec"].get("engine", "ddp") != self.spec.engine
+        check_resume_compatible(state["spec"], self.spec.to_dict(),
+                                accepted=("batch_size", "engine", *(("deepspeed.zero_stage",) if moved else ())))
         lora = self._lora()
         if state.get("frozen") and lora is not None and state["frozen"] != lora.fingerprint():
             raise SpecError(

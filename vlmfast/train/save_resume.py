@@ -20,6 +20,8 @@ from vlmfast.checkpoints.save_dir import estimate_checkpoint_bytes
 from vlmfast.checkpoints.store import latest_checkpoint, load_checkpoint, resume_path, save_checkpoint, staging_dir
 from vlmfast.engines.base import Engine
 from vlmfast.engines.collectives import barrier, broadcast_object, world_size
+from vlmfast.engines.deepspeed import CHECKPOINT_TAG
+from vlmfast.engines.zero_state import full_state_from_zero
 from vlmfast.spec import SpecError
 
 
@@ -63,6 +65,8 @@ def resume_run(engine: Engine, load_state_dict: Callable[[dict[str, Any]], None]
         state = load_checkpoint(path, map_location="cpu")
         if check is not None:
             check(state)
+        if not engine.writes_shards and (path / CHECKPOINT_TAG).is_dir():  # ZeRO shards, resumed by another engine
+            state["engine"] = full_state_from_zero(path / CHECKPOINT_TAG, trainable_only="frozen" in state)
         engine.load_shards(path)
         load_state_dict(state)
     except SpecError:
