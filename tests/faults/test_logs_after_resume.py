@@ -78,8 +78,8 @@ def test_report_json_is_cumulative_and_a_finished_run_rerun_keeps_it(tmp_path):
     assert report["wall_time_s"] == first.report.wall_time_s + second.report.wall_time_s
     assert report["first_loss"] == first.report.first_loss and report["final_loss"] == second.report.final_loss
     assert [(s["from_step"], s["to_step"]) for s in report["extra"]["sessions"]] == [(0, 5), (5, 9)]
-    _, again = train(spec(9))  # nothing left to run
-    assert again.report.steps == 0
+    _, again = train(spec(9))  # nothing left to run: no report of zeros (docs/checkpoints.md)
+    assert again.report is None and again.history == [] and again.resumed_from is not None
     rerun = json.loads((logs / "report.json").read_text())
     assert rerun["steps"] == 9 and rerun["final_loss"] == second.report.final_loss
     assert rerun["extra"]["sessions"] == report["extra"]["sessions"]
