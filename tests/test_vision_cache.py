@@ -105,9 +105,11 @@ def test_tower_does_not_run_on_hits(tmp_path):
     cache = cache_vision_features(model, tmp_path)
     batch = collate([dataset[i] for i in range(8)])
     first = model(**batch).loss
-    assert len(calls) == 3  # the run + the first-call determinism probe (two runs on two images)
+    # the check that the call needs no gradient (once: a custom model's layout is not learned end to end), the run,
+    # and the first-call determinism probe (two runs on two images)
+    assert len(calls) == 4
     second = model(**batch).loss
-    assert len(calls) == 3 and torch.equal(first, second) and cache.stats.hits == 8
+    assert len(calls) == 4 and torch.equal(first, second) and cache.stats.hits == 8
 
 
 def test_hand_loop_gradients_equal_every_step_with_keys_from_loader_workers(tmp_path):
@@ -699,3 +701,98 @@ def test_a_tower_with_an_unusual_name_is_found_by_probing_for_the_cache_the_foot
     assert cost.per_image == 6.0 * eyes * model.config.num_image_tokens
     assert cost.per_token == 6.0 * (sum(p.numel() for p in model.parameters()) - eyes)
     assert CostModel.from_model(model, tower="eyes") == cost
+
+
+# ---- the frozen boundary: a trainable part after the tower runs every step on its cached output ----------------
+def _zoo_fit(case, frozen_paths, cache_dir, steps=2):
+    """Two epochs (2 steps of the case's 8 samples) with `frozen_paths` frozen, SGD, fp32; (losses, weights moved,
+    the cache or None)."""
+    import copy
+
+    model = copy.deepcopy(case.model)
+    for name, param in model.named_parameters():
+        if name.startswith(tuple(f"{path}." for path in frozen_paths)):
+            param.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    spec = TrainSpec(max_steps=steps, batch_size=8, micro_batch_size=8, device="cpu", log={"progress": "off"},
+                     optimizer={"name": "sgd", "lr": 0.1}, memory={"leak_check": False},
+                     vision_cache={"enabled": cache_dir is not None, "dir": str(cache_dir)})
+    trainer = OptimizedTrainer(model, case.samples, spec, loss_fn=case.loss_fn, collate_fn=case.collate_fn)
+    result = trainer.fit()
+    moved = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    return result, moved, (_cache_of(trainer) if cache_dir is not None else None)
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "llava_next"])
+def test_a_trainable_image_newline_runs_every_step_on_the_cached_tower_output(tmp_path, family):
+    """Tower and projector frozen, ``image_newline`` trains: autograd on the image call finds it, so the cache
+    stands in for the outermost frozen module the images enter (the tower, found by probing) and the projector and
+    ``image_newline`` run on its cached output: epoch 2 all hits, the same losses and updates as without the cache,
+    and ``image_newline`` moves."""
+    pytest.importorskip("transformers")
+    from zoo import build_case
+
+    from vlmfast.common.image_path import find_image_modules
+
+    case = build_case(family)
+    found = find_image_modules(case.model, batches=[case.collate_fn(case.samples)])
+    frozen = (found.tower, *found.projectors)
+    plain, plain_moved, _ = _zoo_fit(case, frozen, None)
+    cached, cached_moved, cache = _zoo_fit(case, frozen, tmp_path)
+    assert cache.disabled is None and cache.unit.name == f"{found.tower}.forward"
+    assert list(cache.unit.modules) == [found.tower]
+    assert cached.history[1]["vision_cache/hits"] > 0 and cached.history[1]["vision_cache/misses"] == 0
+    assert_same_training(plain, cached)
+    assert_gradients_close(cached_moved, plain_moved, rtol=1e-5)
+    newline = next(n for n in plain_moved if n.endswith("image_newline"))
+    assert plain_moved[newline].abs().max() > 0  # it trains, with or without the cache
+
+
+def test_a_trainable_part_inside_the_tower_is_still_refused_naming_the_tower(tmp_path):
+    """Only what is frozen is cached: a tower with a trainable tensor (besides the trainable image_newline) has no
+    frozen module the images enter first, so the cache refuses, naming the tower and the field to set."""
+    pytest.importorskip("transformers")
+    from zoo import build_case
+
+    from vlmfast.common.image_path import find_image_modules
+
+    case = build_case("llava_onevision")
+    found = find_image_modules(case.model, batches=[case.collate_fn(case.samples)])
+    tower = case.model.get_submodule(found.tower)
+    case.model.requires_grad_(False)
+    next(tower.parameters()).requires_grad_(True)  # one trainable tensor inside the tower
+    case.model.get_submodule(found.tower.rsplit(".", 1)[0]).image_newline.requires_grad_(True)
+    with pytest.raises(ValueError, match=rf"vision tower '{found.tower}' trains .*optimizer\.freeze"):
+        cache_vision_features(case.model, tmp_path)
+
+
+class _NewlineVLM(TinyVLM):
+    """The tiny VLM whose image call adds a trainable vector after the projector (an ``image_newline`` of its own):
+    a custom model, so no layout is learned end to end and the first call with gradients on finds it."""
+
+    def __init__(self, config: TinyVLMConfig | None = None) -> None:
+        super().__init__(config)
+        self.trailer = torch.nn.Parameter(torch.full((self.config.text_dim,), 0.1))
+
+    def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return super().get_image_features(pixel_values) + self.trailer
+
+
+def test_a_custom_image_call_with_a_trainable_part_caches_the_tower_and_the_part_keeps_its_gradient(tmp_path):
+    _, dataset, collate = _task(8)
+    batch = collate([dataset[i] for i in range(8)])
+    torch.manual_seed(0)
+    model = _NewlineVLM(TinyVLMConfig())
+    model.vision_tower.requires_grad_(False)
+    model.multi_modal_projector.requires_grad_(False)
+    expected = _loss_and_grads(model, batch)
+    cache = cache_vision_features(model, tmp_path)
+    assert cache.unit.name == "get_image_features"  # until a call shows what it uses
+    for _ in range(3):  # the check's call (uncached), misses, hits
+        loss, grads = _loss_and_grads(model, batch)
+        assert loss.item() == pytest.approx(expected[0].item(), rel=1e-5)
+        assert_gradients_close(grads, expected[1], rtol=1e-5)
+    assert cache.disabled is None and cache.unit.name == "vision_tower.forward"
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.bypassed_calls) == (8, 8, 1)
+    assert expected[1]["trailer"].abs().max() > 0
+    cache.remove()

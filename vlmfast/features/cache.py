@@ -46,7 +46,15 @@ from torch import Tensor, nn
 
 from vlmfast.features.keys import KEYS_FIELD, FlatKeys, hash_bytes, tensor_key
 from vlmfast.features.store import CorruptEntryError, FeatureStore, UnverifiableEntryError
-from vlmfast.features.units import CallImages, Unit, model_results, output_tensors, resolve_unit, tensors_close
+from vlmfast.features.units import (
+    CallImages,
+    LearnedAdapter,
+    Unit,
+    model_results,
+    output_tensors,
+    resolve_unit,
+    tensors_close,
+)
 
 __all__ = ["CacheStats", "FeatureCache"]
 
@@ -106,7 +114,7 @@ class FeatureCache:
                  preprocessing: dict[str, Any] | None = None, probe_batches: Iterable[Any] | None = None) -> None:
         from vlmfast.common.utils import PRECISION_DTYPES
 
-        self.unit: Unit = resolve_unit(model, scope, module, probe_batches)
+        self._model, self._scope = model, scope
         self.root = Path(directory).expanduser()
         self.max_bytes = int(max_gb * 2**30)
         self.storage_dtype = None if dtype == "auto" else PRECISION_DTYPES[dtype]
@@ -118,14 +126,7 @@ class FeatureCache:
         self._bypass_said = False
         self._model_showed_images = False  # a model forward's own inputs held images a candidate layout cuts
         self.stores: dict[bytes, FeatureStore] = {}
-        self._params = [t for m in self.unit.modules.values() for t in (*m.parameters(), *m.buffers())]
-        self._batchnorms = [m for mod in self.unit.modules.values() for m in mod.modules()
-                            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        self._weights: tuple[tuple[Any, ...], bytes] | None = None  # (version signature, weights hash)
-        self._namespaces: dict[tuple[Any, ...], bytes] = {}
         self._pending: list[str] | None = None  # the keys of the current forward's images, from the batch
-        self._keys_in_order: bool | None = None  # batch keys verified against the tower's inputs (None: not yet)
-        self._probed = False
         self._trial: Any = None  # while learning the layout: "real" or the candidate adapter being tried
         self._trial_error: str | None = None
         self._trainable_inside: list[str] | bool = False  # the real call's output needed a gradient: of these
@@ -134,13 +135,75 @@ class FeatureCache:
         self._events: list[tuple[Any, Any, int]] = []  # CUDA (start, end, images) not yet read
         self._meta: dict[bytes, dict[str, Any]] = {}  # a new store's meta.json, until the store is opened
         self._corrupt_in: dict[Path, int] = {}  # store folder -> corrupt entries found in it
-        self._original = getattr(self.unit.owner, self.unit.attribute)
+        self._install(resolve_unit(model, scope, module, probe_batches))
+        self._hooks = [model.register_forward_pre_hook(torch.compiler.disable(self._take_keys), with_kwargs=True),
+                       model.register_forward_hook(torch.compiler.disable(self._drop_keys), always_call=True)]
+
+    def _install(self, unit: Unit) -> None:
+        """Stand in for `unit`'s call (an instance attribute of the same name) and fingerprint its modules."""
+        self.unit = unit
+        self._params = [t for m in unit.modules.values() for t in (*m.parameters(), *m.buffers())]
+        self._batchnorms = [m for mod in unit.modules.values() for m in mod.modules()
+                            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self._weights: tuple[tuple[Any, ...], bytes] | None = None  # (version signature, weights hash)
+        self._namespaces: dict[tuple[Any, ...], bytes] = {}
+        self._keys_in_order: bool | None = None  # batch keys verified against the tower's inputs (None: not yet)
+        self._probed = False
+        self._grad_checked = isinstance(unit.adapter, LearnedAdapter)  # learn_layout checks a learned layout's call
+        self._original = getattr(unit.owner, unit.attribute)
         self._signature = inspect.signature(self._original)
         # Lookups and disk I/O are Python: under torch.compile(model) they run eagerly (a graph break).
         self._wrapper = torch.compiler.disable(self._call)
-        setattr(self.unit.owner, self.unit.attribute, self._wrapper)
-        self._hooks = [model.register_forward_pre_hook(torch.compiler.disable(self._take_keys), with_kwargs=True),
-                       model.register_forward_hook(torch.compiler.disable(self._drop_keys), always_call=True)]
+        setattr(unit.owner, unit.attribute, self._wrapper)
+
+    def _narrow_to_tower(self, reason: str) -> bool:
+        """The image call uses trainable parameters outside its frozen modules (LLaVA-NeXT's ``image_newline``,
+        found by autograd on the call): cache the outermost frozen module the images enter, the tower's own
+        ``forward``, and let the rest of the call (the frozen projector, the trainable parts) run every step on its
+        cached output. False when there is nothing narrower (the call already is the tower's, or the tower is all
+        the call has) or `scope` asked for the whole call."""
+        if self._scope != "auto" or self.unit.attribute == "forward":
+            return False
+        try:
+            tower = resolve_unit(self._model, "tower", next(iter(self.unit.modules)))
+        except ValueError:
+            return False
+        if tower.attribute != "forward":  # nothing besides the tower in the call: the call is the tower's output
+            return False
+        del self.unit.owner.__dict__[self.unit.attribute]  # the original call is back; the tower's is wrapped
+        self._install(tower)
+        log.warning("vision_cache: %s; caching the frozen %s instead (the rest of the call runs every step on its "
+                    "cached output)", reason, tower.name)
+        return True
+
+    def _narrow_or_refuse(self, used: list[str] | bool) -> bool:
+        """The call's output needs a gradient (of the trainable parameters `used`): cache the tower alone (True)
+        or, when there is nothing narrower, turn the cache off naming them."""
+        names = ", ".join(used) if isinstance(used, list) and used else "some"
+        trains = (f"{self.unit.name} uses trainable parameters ({names}) besides the frozen "
+                  f"{', '.join(self.unit.modules)} (its output requires a gradient)")
+        if self._narrow_to_tower(trains):
+            return True
+        self._refuse(f"{trains}: freeze them too, or set vision_cache.enabled: false")
+        return False
+
+    def _first_call_with_grad(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Once per unit whose layout is not learned end to end (learn_layout checks there): the real call with
+        gradients on; its output needing one means a trainable part inside the call (see :meth:`_narrow_or_refuse`).
+        Returns the call's output (this call is then not cached), or None when the call is all frozen."""
+        from vlmfast.common.utils import rng_state, set_rng_state
+
+        self._grad_checked = True
+        state = rng_state()
+        with torch.enable_grad():
+            output = self._original(*args, **kwargs)
+            needing = [t for t in output_tensors(output) if t.requires_grad]
+            if not needing:
+                set_rng_state(state)  # the check's random numbers undone: the cached call draws them again
+                return None
+            self._narrow_or_refuse(self._trainable_used(needing) or True)
+        self.stats.bypassed_calls += 1
+        return output
 
     # ---- the model's side ---------------------------------------------------------------------------------------
     def _take_keys(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -167,19 +230,18 @@ class FeatureCache:
         modes = [(m, m.training) for m in model.modules()]
         device = self._device()
         reasons = []
+        narrowed = False
         model.eval()
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 self._trial, self._trainable_inside = "real", False
                 reference = model_results(model.forward(*args, **kwargs))
                 if self._trainable_inside:
-                    used = ", ".join(self._trainable_inside) if isinstance(self._trainable_inside, list) else "some"
-                    adapter.failed = (f"{self.unit.name} uses trainable parameters ({used}) besides the frozen "
-                                      f"{', '.join(self.unit.modules)} (its output requires a gradient): freeze them "
-                                      "too, or set vision_cache.enabled: false")
-                    self._refuse(adapter.failed)
-                    return
-                for candidate in adapter.candidates:
+                    narrowed = self._narrow_or_refuse(self._trainable_inside)
+                    if not narrowed:
+                        adapter.failed = self.disabled
+                        return
+                for candidate in () if narrowed else adapter.candidates:  # narrowed: the tower's, learned below
                     self._trial, self._trial_error = candidate, None
                     try:
                         got = model_results(model.forward(*args, **kwargs))
@@ -196,6 +258,9 @@ class FeatureCache:
             self._trial = None
             for module, training in modes:
                 module.training = training
+        if narrowed:  # the tower's layout, learned on this same forward
+            self.learn_layout(model, args, kwargs)
+            return
         adapter.failed = (f"no image layout gives the model's own outputs when the image features of "
                           f"{self.unit.name} are served per image ({'; '.join(reasons)})")
         self._refuse(adapter.failed)
@@ -244,6 +309,10 @@ class FeatureCache:
         refusal = self._refusal(images)
         if refusal is not None:
             self._refuse(refusal)
+        if images is not None and refusal is None and not self._grad_checked:
+            output = self._first_call_with_grad(args, kwargs)
+            if output is not None:
+                return output
         namespace = None if images is None or refusal else self._namespace(arguments, images)
         if namespace is None:
             if refusal is None:
