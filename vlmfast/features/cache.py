@@ -258,8 +258,9 @@ class FeatureCache:
             self._trial = None
             for module, training in modes:
                 module.training = training
-        if narrowed:  # the tower's layout, learned on this same forward
-            self.learn_layout(model, args, kwargs)
+        if narrowed:  # the tower's layout, learned on this same forward (a custom tower's first call checks it)
+            if isinstance(self.unit.adapter, LearnedAdapter):
+                self.learn_layout(model, args, kwargs)
             return
         adapter.failed = (f"no image layout gives the model's own outputs when the image features of "
                           f"{self.unit.name} are served per image ({'; '.join(reasons)})")
