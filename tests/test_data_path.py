@@ -208,3 +208,20 @@ def test_vlmfast_bench_runs_the_stand_in_with_device_bound():
 
     args = build_parser().parse_args(["--device-bound", "150", "--quick"])
     assert args.device_bound == 150.0 and args.run.__name__ == "run_bench"
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_closed_loader_reads_on_from_its_position_with_new_workers(persistent):
+    """The doctor reads a few batches after training (fit closed the loader) and puts the position back."""
+    from vlmfast.data.prefetch import DevicePrefetcher
+
+    data = DataSpec(num_workers=1, persistent_workers=persistent)
+    loader = DevicePrefetcher(ResumableLoader(CountedReads(), BATCH, data, seed=0), torch.device("cpu"))
+    loader.start(2)
+    first = [next(loader)["y"].tolist() for _ in range(2)]
+    loader.close()  # as fit() does at its end
+    position = loader.state_dict()
+    after = [next(loader)["y"].tolist() for _ in range(3)]  # no limit now: on into the next epoch
+    loader.load_state_dict(position)
+    assert [next(loader)["y"].tolist() for _ in range(3)] == after and first[1] != after[0]
+    loader.close()

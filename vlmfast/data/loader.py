@@ -192,7 +192,8 @@ class ResumableLoader:
 
         def build(num_workers: int, persistent: bool = spec.persistent_workers) -> DataLoader:
             kwargs = _loader_kwargs(spec, pin_memory, num_workers, persistent)
-            if self._run is not None:  # the run's batches, epoch after epoch, in one iteration (see run_batches.py)
+            if self._run is not None:  # the run's batches, epoch after epoch, in one iteration (see run_batches.py):
+                kwargs = _loader_kwargs(spec, pin_memory, num_workers, persistent=False)  # nothing to persist across
                 return DataLoader(source, batch_sampler=self._run, collate_fn=checked, generator=generator, **kwargs)
             return DataLoader(source, batch_size=batch_size, collate_fn=checked, drop_last=spec.drop_last, **kwargs)
 
@@ -397,6 +398,8 @@ class ResumableLoader:
             if shutdown is not None:
                 shutdown()
         self._iterator = None
+        if getattr(self.loader, "_iterator", None) is not None:  # a persistent iterator shut down: the next iter()
+            self.loader._iterator = None  # must start new workers, not reset the stopped ones ("Queue is closed")
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
