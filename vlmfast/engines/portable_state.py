@@ -56,6 +56,14 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
             f"{old}, or start a new run (save.resume: never) from the model's weights")
 
 
+def transfer_accepts(saved: Mapping[str, Any], spec: Any) -> tuple[str, ...]:
+    """The spec fields a resume may change once :func:`state_transfer_refusal` and the global-batch check passed:
+    batch_size (the same global batch on another rank count), engine (a pair whose state carries over) and, when
+    the checkpoint leaves DeepSpeed, its ZeRO stage (the shards are merged into the full state)."""
+    moved = saved.get("engine", "ddp") != spec.engine
+    return ("batch_size", "engine", *(("deepspeed.zero_stage",) if moved else ()))
+
+
 def describe_transfer(saved: Mapping[str, Any], saved_world: int, spec: Any, world_size: int) -> dict[str, Any] | None:
     """What changed at a resume on another rank count or engine ({"note": text, "world_size", "engine",
     "batch_size", "from_...": ...}); None when nothing did. Usage: in the log, metrics.jsonl and the run report."""

@@ -40,7 +40,7 @@ from vlmfast.data.timeout import DataLoaderTimeoutError
 from vlmfast.engines import build_engine
 from vlmfast.engines.collectives import barrier, broadcast_object, gather_objects, sum_loss_and_flags
 from vlmfast.engines.ddp import ddp_errors_explained
-from vlmfast.engines.portable_state import describe_transfer, state_transfer_refusal
+from vlmfast.engines.portable_state import describe_transfer, state_transfer_refusal, transfer_accepts
 from vlmfast.engines.process_group import apply_nccl_presets, explain_rank_failure, init_distributed
 from vlmfast.memory.advice import explain_oom, memory_summary, oom_advice
 from vlmfast.memory.monitor import MemoryMonitor
@@ -555,11 +555,8 @@ class OptimizedTrainer:
             raise SpecError(f"cannot resume: {refusal}")
         check_global_batch(state["spec"].get("batch_size", self.spec.batch_size), saved_world, self.spec.batch_size,
                            self.world_size)
-        # verified above: the same global batch on another rank count; engines whose full state any of them loads (a
-        # ZeRO stage is no change once the checkpoint leaves DeepSpeed: its shards are merged into the full state)
-        moved = state["spec"].get("engine", "ddp") != self.spec.engine
-        check_resume_compatible(state["spec"], self.spec.to_dict(),
-                                accepted=("batch_size", "engine", *(("deepspeed.zero_stage",) if moved else ())))
+        # verified above: the same global batch on another rank count, an engine pair whose state carries over
+        check_resume_compatible(state["spec"], self.spec.to_dict(), accepted=transfer_accepts(state["spec"], self.spec))
         lora = self._lora()
         if state.get("frozen") and lora is not None and state["frozen"] != lora.fingerprint():
             raise SpecError(
