@@ -284,12 +284,15 @@ def _check_strategy_effect(family: str, strategy: str, tmp_path, caplog) -> None
     if family == "tiny_vlm":
         assert served == 4 and not said, (line, said)
         return
-    # The cache cannot serve these families: it said why once, before the first step, in the log, the report
-    # (the strategy line) and the metrics.
+    if family == "llava_next":  # image_newline trains after the tower: the tower's own output is cached, said once
+        assert served > 0 and len(said) == 1 and said[0] in said_by_step_1, said
+        assert "caching the frozen model.vision_tower.forward instead" in said[0], said
+        return
+    # The cache cannot serve Fuyu: it said why once, before the first step, in the log, the report (the strategy
+    # line) and the metrics.
     assert served == 0 and len(said) == 1, said
     assert said[0] in said_by_step_1, said_by_step_1  # said during the first step (its first forward), not after
-    reason = {"llava_next": "uses trainable parameters (image_newline) besides the frozen",
-              "fuyu": "its layout was never learned"}
-    assert reason[family] in said[0] and reason[family] in line, (said, line)
+    reason = "its layout was never learned"
+    assert reason in said[0] and reason in line, (said, line)
     first = result.history[0]
     assert first["vision_cache/off"] == 1 or first["vision_cache/bypassed"] > 0, first

@@ -192,8 +192,7 @@ class ResumableLoader:
 
         def build(num_workers: int, persistent: bool = spec.persistent_workers) -> DataLoader:
             kwargs = _loader_kwargs(spec, pin_memory, num_workers, persistent)
-            if self._run is not None:  # the run's batches, epoch after epoch, in one iteration (see run_batches.py):
-                kwargs = _loader_kwargs(spec, pin_memory, num_workers, persistent=False)  # nothing to persist across
+            if self._run is not None:  # the run's batches, epoch after epoch, in one iteration (see run_batches.py)
                 return DataLoader(source, batch_sampler=self._run, collate_fn=checked, generator=generator, **kwargs)
             return DataLoader(source, batch_size=batch_size, collate_fn=checked, drop_last=spec.drop_last, **kwargs)
 
