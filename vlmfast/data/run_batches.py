@@ -79,11 +79,7 @@ class RunBatches(Sampler[list[tuple[int, int]]]):
             yield indices
 
     def __len__(self) -> int:
-        """Batches of the next iteration when limited, else of the epoch it starts in (len(DataLoader) asks)."""
-        if self.limit is not None:
-            return self.limit
-        self.epochs.set_position(self.epoch, self.batch * self.batch_size)
-        count = len(self.epochs)  # type: ignore[arg-type]
-        if self.yields_batches:
-            return count
-        return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
+        """The batches of the next iteration when limited; a run without an end has no length (as a stream)."""
+        if self.limit is None:
+            raise TypeError("RunBatches without a limit yields epochs without end: it has no length")
+        return self.limit

@@ -298,7 +298,6 @@ class OptimizedTrainer:
             if resumed_from is not None:
                 metrics_logger.write(f"resumed from {resumed_from} at step {self.state.step}")
             if self.resharded:
-                log.warning("%s", self.resharded["note"])
                 metrics_logger.write(self.resharded["note"])
                 metrics_logger.log_event("resumed", self.state.step, **self.resharded)
             tick = time.perf_counter()
