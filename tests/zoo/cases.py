@@ -579,6 +579,35 @@ def _instructblip(seed: int) -> ZooCase:
                    image_token_ids=(image_id,), notes=["one image per sample: the model takes pixel_values always"])
 
 
+def _blip2(seed: int) -> ZooCase:
+    """BLIP-2 with a decoder-only LM (OPT): a ViT, a Q-Former of 4 learned queries (no text input), a projection to
+    the LM's width; the processor puts 4 ``<image>`` tokens before each text (BOS included), one image per sample."""
+    import transformers as T
+
+    tokenizer = word_tokenizer(["<pad>", "<unk>", "<s>", "</s>"], pad_token="<pad>", unk_token="<unk>",
+                               bos_token="<s>", eos_token="</s>")
+    processor = T.Blip2Processor(image_processor=T.BlipImageProcessorPil(size={"height": 16, "width": 16}),
+                                 tokenizer=tokenizer, num_query_tokens=4)  # adds its own <image> token
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    torch.manual_seed(seed)
+    vision = T.Blip2VisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4)
+    qformer = T.Blip2QFormerConfig(vocab_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=64, encoder_hidden_size=32, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0)
+    text = T.OPTConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                       num_attention_heads=4, max_position_embeddings=128, dropout=0.0, pad_token_id=0,
+                       bos_token_id=2, eos_token_id=3)
+    config = T.Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text, num_query_tokens=4,
+                           image_token_index=image_id)
+    model = T.Blip2ForConditionalGeneration(config)
+    samples = _items(seed, [(16, 16), (24, 16)])
+    for i, sample in enumerate(samples):  # exactly one image per sample
+        sample["images"] = sample["images"][:1] or _rng_images(seed + i, [(16, 16)])
+    return ZooCase("blip2", model, samples, OneImageCollate(processor, (0, 1, 2, 3, image_id)),
+                   image_token_ids=(image_id,), notes=["one image per sample: the model takes pixel_values always"])
+
+
 
 def _kosmos2(seed: int) -> ZooCase:
     """Kosmos-2: a CLIP-like ViT, a resampler of 4 latent queries, their embeddings written where
@@ -683,6 +712,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "aya_vision": _aya_vision,
     "chameleon": _chameleon,
     "kosmos2": _kosmos2,
+    "blip2": _blip2,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
@@ -691,7 +721,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
 ZOO = tuple(BUILDERS)
 VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
              "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip", "aya_vision",
-             "chameleon", "kosmos2")
+             "chameleon", "kosmos2", "blip2")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:
