@@ -149,6 +149,41 @@ def _qwen2_vl(seed: int, version: str = "2") -> ZooCase:
     return ZooCase(f"qwen2{'_5' if version != '2' else ''}_vl", model, samples, collate,
                    image_token_ids=(ids["<|image_pad|>"],))
 
+def _qwen2_5_omni(seed: int) -> ZooCase:
+    """Qwen2.5-Omni's thinker (text out): Qwen2.5-VL's windowed vision tower and mRoPE, plus a (tiny, unused here)
+    Whisper-like audio tower; the real Qwen2_5OmniProcessor (left padding), its video processor left out."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<|IMAGE|>", "<|AUDIO|>", "<|VIDEO|>", "<|vision_bos|>",
+               "<|vision_eos|>", "<|audio_bos|>", "<|audio_eos|>", "<|im_start|>"]
+    roles = dict(zip(["image_token", "audio_token", "video_token", "vision_bos_token", "vision_eos_token",
+                      "audio_bos_token", "audio_eos_token"], special[4:11], strict=True))
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                               extra_special_tokens=roles)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 84, patch_size=14,
+                                                 merge_size=2, temporal_patch_size=2)
+    processor = images_only(T.Qwen2_5OmniProcessor)(image_processor=image_processor, video_processor=None,
+                                                    feature_extractor=T.WhisperFeatureExtractor(feature_size=8),
+                                                    tokenizer=tokenizer)
+    text = _text_config(len(tokenizer), bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=0,
+                        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4})
+    vision = dict(depth=1, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, hidden_size=16,
+                  out_hidden_size=32, intermediate_size=32, window_size=56, fullatt_block_indexes=[0])
+    audio = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
+                 output_dim=32, max_source_positions=32, n_window=8)
+    torch.manual_seed(seed)
+    config = T.Qwen2_5OmniThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, image_token_index=ids["<|IMAGE|>"],
+        video_token_index=ids["<|VIDEO|>"], audio_token_index=ids["<|AUDIO|>"],
+        audio_start_token_id=ids["<|audio_bos|>"], audio_end_token_id=ids["<|audio_eos|>"],
+        vision_start_token_id=ids["<|vision_bos|>"], user_token_id=ids["<|im_start|>"])
+    model = T.Qwen2_5OmniThinkerForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<|vision_bos|><|IMAGE|><|vision_eos|>", tuple(ids.values()))
+    return ZooCase("qwen2_5_omni", model, _items(seed, [(56, 56), (56, 84), (84, 56)]), collate,
+                   image_token_ids=(ids["<|IMAGE|>"],))
+
+
 
 def _llava(seed: int) -> ZooCase:
     import transformers as T
@@ -713,6 +748,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "chameleon": _chameleon,
     "kosmos2": _kosmos2,
     "blip2": _blip2,
+    "qwen2_5_omni": _qwen2_5_omni,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
@@ -721,7 +757,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
 ZOO = tuple(BUILDERS)
 VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
              "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip", "aya_vision",
-             "chameleon", "kosmos2", "blip2")
+             "chameleon", "kosmos2", "blip2", "qwen2_5_omni")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:
