@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -182,6 +182,76 @@ def _qwen2_5_omni(seed: int) -> ZooCase:
     collate = ProcessorCollate(processor, "<|vision_bos|><|IMAGE|><|vision_eos|>", tuple(ids.values()))
     return ZooCase("qwen2_5_omni", model, _items(seed, [(56, 56), (56, 84), (84, 56)]), collate,
                    image_token_ids=(ids["<|IMAGE|>"],))
+
+
+def _phi4_image_processor(crop: int) -> Any:
+    """Phi-4-multimodal's image processor, whose only implementation needs torchvision (absent here), redone on
+    torch for images that are whole crops: per image a global crop (the image resized to ``crop``) then its
+    ``crop`` x ``crop`` tiles, normalised to [-1, 1]; masks of one entry per 1-pixel patch; images padded to the
+    batch's most crops (zero crops, mask ones); ``num_img_tokens`` by the real processor's formula (global features
+    plus a newline per row, a separator, the tiles' features plus a newline per row), whose 16 (a real 448-pixel
+    crop's 32x32 patches pooled 2x2) is here ``crop // 2`` (1-pixel patches)."""
+    from transformers import BatchFeature
+    from transformers.image_processing_utils import BaseImageProcessor
+
+    base = crop // 2
+
+    class Phi4MultimodalImageProcessor(BaseImageProcessor):
+        model_input_names: ClassVar[list[str]] = ["image_pixel_values", "image_sizes", "image_attention_mask"]
+
+        def __call__(self, images: Any, **kwargs: Any) -> Any:
+            from transformers.image_utils import make_flat_list_of_images
+
+            crops, masks, tokens, sizes = [], [], [], []
+            for image in make_flat_list_of_images(images):
+                pixels = torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float() / 127.5 - 1
+                h, w = pixels.shape[1] // crop, pixels.shape[2] // crop
+                assert pixels.shape[1:] == (h * crop, w * crop), "the zoo's Phi-4 images are whole crops"
+                tiles = pixels.reshape(3, h, crop, w, crop).permute(1, 3, 0, 2, 4).reshape(h * w, 3, crop, crop)
+                whole = F.interpolate(pixels[None], size=(crop, crop), mode="bicubic", align_corners=False)
+                crops.append(torch.cat([whole, tiles]))
+                masks.append(torch.ones(1 + h * w, crop, crop))
+                tokens.append(base * base + base + 1 + base * h * (base * w + 1))
+                sizes.append([h * crop, w * crop])
+            most = max(len(c) for c in crops)
+            data = {"image_pixel_values": torch.stack([F.pad(c, (0, 0, 0, 0, 0, 0, 0, most - len(c))) for c in crops]),
+                    "image_sizes": torch.tensor(sizes),
+                    "image_attention_mask": torch.stack([F.pad(m, (0, 0, 0, 0, 0, most - len(m)), value=1)
+                                                         for m in masks]),
+                    "num_img_tokens": tokens}
+            return BatchFeature(data)
+
+    return Phi4MultimodalImageProcessor()
+
+
+def _phi4_multimodal(seed: int) -> ZooCase:
+    """Phi-4-multimodal: a SigLIP-like tower (1-pixel patches of 8x8 crops, features pooled 2x2 to 4x4), HD
+    crops + a global view with newline
+    extensors, a tiny (unused) conformer audio tower; the real Phi4MultimodalProcessor around a stand-in image
+    processor (torchvision is absent)."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<|endoftext10|>", "<|endoftext11|>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                               extra_special_tokens={"image_token": "<|endoftext10|>",
+                                                     "audio_token": "<|endoftext11|>"})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    processor = T.Phi4MultimodalProcessor(image_processor=_phi4_image_processor(8), tokenizer=tokenizer,
+                                          audio_processor=T.Phi4MultimodalFeatureExtractor(feature_size=8))
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+                  patch_size=1, crop_size=8, image_token_id=ids["<|endoftext10|>"])
+    audio = dict(hidden_size=16, intermediate_size=32, num_blocks=1, num_attention_heads=2, ext_pw_out_channel=16,
+                 depthwise_separable_out_channel=16, nemo_conv_channels=16, input_size=8,
+                 audio_token_id=ids["<|endoftext11|>"])
+    config = T.Phi4MultimodalConfig(**_text_config(len(tokenizer), pad_token_id=0, bos_token_id=ids["<s>"],
+                                                   eos_token_id=ids["</s>"]), vision_config=vision,
+                                    audio_config=audio)
+    model = T.Phi4MultimodalForCausalLM(config)
+    collate = ProcessorCollate(processor, "<|endoftext10|>", tuple(ids.values()))
+    return ZooCase("phi4_multimodal", model, _items(seed, [(8, 8), (8, 16), (16, 8)]), collate,
+                   image_token_ids=(ids["<|endoftext10|>"],),
+                   notes=["a stand-in image processor: the real one needs torchvision"])
 
 
 
@@ -749,6 +819,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "kosmos2": _kosmos2,
     "blip2": _blip2,
     "qwen2_5_omni": _qwen2_5_omni,
+    "phi4_multimodal": _phi4_multimodal,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
@@ -757,7 +828,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
 ZOO = tuple(BUILDERS)
 VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
              "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip", "aya_vision",
-             "chameleon", "kosmos2", "blip2", "qwen2_5_omni")
+             "chameleon", "kosmos2", "blip2", "qwen2_5_omni", "phi4_multimodal")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:

@@ -41,7 +41,9 @@ __all__ = ["BatchLayout", "BatchSplitError", "image_key_kinds", "items_per_sampl
 
 ANCHOR_KEYS = ("input_ids", "attention_mask", "labels", "inputs_embeds", "token_type_ids")
 PER_SAMPLE_IMAGE_MARKERS = ("pixel_attention_mask", "aspect_ratio_ids", "aspect_ratio_mask", "images_per_row")
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "aspect_ratio_ids",
+# One row per image besides pixel_values: sizes, and Phi-4-multimodal's crops and their masks ([images, crops, ...])
+IMAGE_ITEM_KEYS = ("image_sizes", "image_pixel_values", "image_attention_mask")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", *IMAGE_ITEM_KEYS, "pixel_attention_mask", "aspect_ratio_ids",
               "aspect_ratio_mask", "cross_attention_mask", "images_per_row")
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 SCALARS = (int, float, bool, str, bytes, type(None))
@@ -181,10 +183,10 @@ def items_per_sample(batch: Mapping[str, Any], layout: BatchLayout | None = None
         value = batch[key]
         return [int(value.shape[1]) if isinstance(value, Tensor) and value.dim() > 1 else 1] * n
     layout = layout or BatchLayout()
-    items, rows = _items(batch, "pixel_values", "image_grid_thw", ("image_sizes",))
-    keys = [k for k in ("pixel_values", "image_grid_thw", "image_sizes") if k in batch]
+    items, rows = _items(batch, "pixel_values", "image_grid_thw", IMAGE_ITEM_KEYS)
+    keys = [k for k in ("pixel_values", "image_grid_thw", *IMAGE_ITEM_KEYS) if k in batch]
     return _items_per_sample(batch, _token_mask(batch, layout.image_token_ids), items, rows, "image_grid_thw",
-                             ("image_sizes",), "image", keys)
+                             IMAGE_ITEM_KEYS, "image", keys)
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,7 @@ def image_key_kinds(batch: Mapping[str, Any], layout: BatchLayout | None = None)
         kinds.update({k: "sample" for k in present})
     else:
         kinds.update({k: "items" for k in present})
-        items, _ = _items(batch, "pixel_values", "image_grid_thw", ("image_sizes",))
+        items, _ = _items(batch, "pixel_values", "image_grid_thw", IMAGE_ITEM_KEYS)
         count_key = _count_key(batch, n, tokens, items)
         if count_key is not None and len(batch[count_key]) != n:  # one entry per image-carrying sample: kept in the
             kinds[count_key] = "items"  # images' order, so every image keeps its sample's count (its image path)
@@ -325,7 +327,7 @@ def _image_rules(batch: Mapping[str, Any], n: int, tokens: Tensor | None, host: 
         # dropped, as its processor does for text-only samples.
         return {k: _unless_no_pixels(_generic_rule(batch[k], n, f"'{k}'"), host.get("pixel_attention_mask"), n)
                 for k in present}
-    return _stream_rules(batch, n, tokens, "pixel_values", "image_grid_thw", ("image_sizes",), "image", host)
+    return _stream_rules(batch, n, tokens, "pixel_values", "image_grid_thw", IMAGE_ITEM_KEYS, "image", host)
 
 
 def _per_sample_pixels(batch: Mapping[str, Any], n: int, tokens: Tensor | None) -> bool:
