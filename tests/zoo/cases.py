@@ -254,6 +254,34 @@ def _phi4_multimodal(seed: int) -> ZooCase:
                    notes=["a stand-in image processor: the real one needs torchvision"])
 
 
+def _glm4v(seed: int) -> ZooCase:
+    """GLM-4.1V: Qwen2-VL-style flattened patches merged 2x2 (plus interpolated learned position embeddings and a
+    conv downsample), 3D rotary positions from ``get_rope_index``; the real Glm4vProcessor, video processor left out."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<|image|>", "<|begin_of_image|>", "<|end_of_image|>", "<|video|>",
+               "<|begin_of_video|>", "<|end_of_video|>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    pixels = {"shortest_edge": 2 * 56 * 56, "longest_edge": 2 * 56 * 84}  # counted over its 2 temporal frames
+    image_processor = T.Glm4vImageProcessorPil(size=pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
+    processor = images_only(T.Glm4vProcessor)(image_processor=image_processor, tokenizer=tokenizer,
+                                              video_processor=None)
+    text = _text_config(len(tokenizer), pad_token_id=0, rope_parameters={
+        "rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4, "partial_rotary_factor": 1.0})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, image_size=56, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32)
+    torch.manual_seed(seed)
+    config = T.Glm4vConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
+                           video_token_id=ids["<|video|>"], image_start_token_id=ids["<|begin_of_image|>"],
+                           image_end_token_id=ids["<|end_of_image|>"], video_start_token_id=ids["<|begin_of_video|>"],
+                           video_end_token_id=ids["<|end_of_video|>"])
+    model = T.Glm4vForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<|begin_of_image|><|image|><|end_of_image|>", tuple(ids.values()))
+    return ZooCase("glm4v", model, _items(seed, [(56, 56), (56, 84), (84, 56)]), collate,
+                   image_token_ids=(ids["<|image|>"],))
+
+
 
 def _llava(seed: int) -> ZooCase:
     import transformers as T
@@ -820,6 +848,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "blip2": _blip2,
     "qwen2_5_omni": _qwen2_5_omni,
     "phi4_multimodal": _phi4_multimodal,
+    "glm4v": _glm4v,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
@@ -828,7 +857,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
 ZOO = tuple(BUILDERS)
 VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
              "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip", "aya_vision",
-             "chameleon", "kosmos2", "blip2", "qwen2_5_omni", "phi4_multimodal")
+             "chameleon", "kosmos2", "blip2", "qwen2_5_omni", "phi4_multimodal", "glm4v")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:
