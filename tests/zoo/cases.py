@@ -282,6 +282,32 @@ def _glm4v(seed: int) -> ZooCase:
                    image_token_ids=(ids["<|image|>"],))
 
 
+def _idefics2(seed: int) -> ZooCase:
+    """Idefics2: a SigLIP-like tower on images padded to the batch's largest (``pixel_attention_mask``), a perceiver
+    resampler of 4 latents per image between ``<fake_token_around_image>`` markers (the real Idefics2Processor)."""
+    import PIL.Image
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.Idefics2ImageProcessorPil(size={"shortest_edge": 16, "longest_edge": 32})
+    processor = T.Idefics2Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4)
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    perceiver = dict(hidden_size=32, resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
+                     resampler_head_dim=8, num_key_value_heads=1)
+    config = T.Idefics2Config(vision_config=vision, perceiver_config=perceiver, image_token_id=ids["<image>"],
+                              text_config=T.MistralConfig(**_text_config(len(tokenizer), pad_token_id=0)))
+    model = T.Idefics2ForConditionalGeneration(config)
+    collate = ProcessorCollate(processor, "<image>", tuple(ids.values()))
+    samples = _items(seed, [(32, 32), (16, 32), (32, 24)])
+    for sample in samples:  # its processor loads each image with load_image, which takes PIL images (or paths)
+        sample["images"] = [PIL.Image.fromarray(image) for image in sample["images"]]
+    return ZooCase("idefics2", model, samples, collate, image_token_ids=(ids["<image>"],))
+
+
 
 def _llava(seed: int) -> ZooCase:
     import transformers as T
@@ -849,6 +875,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "qwen2_5_omni": _qwen2_5_omni,
     "phi4_multimodal": _phi4_multimodal,
     "glm4v": _glm4v,
+    "idefics2": _idefics2,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
@@ -857,7 +884,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
 ZOO = tuple(BUILDERS)
 VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
              "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip", "aya_vision",
-             "chameleon", "kosmos2", "blip2", "qwen2_5_omni", "phi4_multimodal", "glm4v")
+             "chameleon", "kosmos2", "blip2", "qwen2_5_omni", "phi4_multimodal", "glm4v", "idefics2")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:
