@@ -8,6 +8,7 @@ Usage::
 
     total = all_reduce_sum(local_tokens)                     # host number summed over ranks (one small collective)
     loss, stop = sum_loss_and_flags(loss, wants_stop=False)  # the step's global loss and the agreed stop flag
+    loss, stop, totals = sum_step_totals(loss, False, (samples, tokens))  # ... and counts summed over ranks
 """
 
 from __future__ import annotations
@@ -77,11 +78,22 @@ def sum_loss_and_flags(loss: torch.Tensor, wants_stop: bool) -> tuple[torch.Tens
 
     The stop flag comes back as a device tensor (read with the step's one host read) under several ranks.
     """
+    loss, stop, _ = sum_step_totals(loss, wants_stop, ())
+    return loss, stop
+
+
+def sum_step_totals(loss: torch.Tensor, wants_stop: bool, counts: tuple[float, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor | bool, torch.Tensor | tuple[float, ...]]:
+    """:func:`sum_loss_and_flags`, and `counts` (this rank's samples and tokens) summed over ranks in the same
+    all-reduce: a float64 device vector under several ranks (exact up to 2**53, read with the step's one host
+    read), the host values themselves under one."""
     if world_size() == 1:
-        return loss, wants_stop
-    packed = torch.stack([loss.float(), torch.full((), float(wants_stop), device=loss.device)])
+        return loss, wants_stop, counts
+    dtype = torch.float64 if counts else torch.float32  # counts past 2**24 tokens a step stay exact
+    host = [float(wants_stop), *(float(c) for c in counts)]  # filled on the device: no host-to-device copy
+    packed = torch.stack([loss.to(dtype), *(torch.full((), v, dtype=dtype, device=loss.device) for v in host)])
     dist.all_reduce(packed)
-    return packed[0], packed[1] > 0
+    return packed[0].float(), packed[1] > 0, packed[2:]
 
 
 def all_reduce_gradients(parameters: Iterable[torch.Tensor], bucket_mb: float = 25.0) -> None:

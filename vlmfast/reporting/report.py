@@ -244,6 +244,12 @@ def _check_event_file(writer: Any) -> None:
         raise
 
 
+def _global(metrics: dict[str, Any], name: str, world_size: int) -> float:
+    """A step's samples or tokens over all ranks: the loop's sum over ranks ("global_tokens"); a history without it
+    (hand-made, or older) counts this rank's x the rank count."""
+    return metrics.get(f"global_{name}", metrics[name] * world_size)
+
+
 def _plain(value: Any) -> Any:
     """`value` as report.json holds it (paths as strings), so that a spec compares equal to its saved copy."""
     return json.loads(json.dumps(value, default=str))
@@ -450,8 +456,8 @@ class RunReport:
         total_time = sum(times) or 1.0
         return cls(
             steps=len(history), wall_time_s=wall_time,
-            samples_per_s=sum(m["samples"] for m in history) * world_size / total_time,
-            tokens_per_s=sum(m["tokens"] for m in history) * world_size / total_time,
+            samples_per_s=sum(_global(m, "samples", world_size) for m in history) / total_time,
+            tokens_per_s=sum(_global(m, "tokens", world_size) for m in history) / total_time,
             step_time_p50_s=percentile(times, 0.5), step_time_p90_s=percentile(times, 0.9),
             step_time_p99_s=percentile(times, 0.99),
             data_wait_ratio=sum(m["data_time"] for m in history) / total_time,

@@ -54,8 +54,10 @@ class Step:
     def read(self) -> dict[str, float]:
         """The one device-to-host transfer of the step: the loss and everything deferred, stacked."""
         names = ["loss", *self._deferred]
-        tensors = [self.loss.detach().float().reshape(())]
-        tensors += [t.detach().float().reshape(()).to(self.loss.device) for t in self._deferred.values()]
+        # float64 when a deferred value is (counts past 2**24 stay exact); float32 otherwise (MPS has no float64)
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in self._deferred.values()) else torch.float32
+        tensors = [self.loss.detach().to(dtype).reshape(())]
+        tensors += [t.detach().to(dtype).reshape(()).to(self.loss.device) for t in self._deferred.values()]
         self.values.update(zip(names, torch.stack(tensors).tolist(), strict=True))
         self._deferred.clear()
         return self.values

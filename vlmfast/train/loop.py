@@ -38,7 +38,7 @@ from vlmfast.data.rank_balance import CostModel
 from vlmfast.data.sample_checks import SampleCheck
 from vlmfast.data.timeout import DataLoaderTimeoutError
 from vlmfast.engines import build_engine
-from vlmfast.engines.collectives import barrier, broadcast_object, gather_objects, sum_loss_and_flags
+from vlmfast.engines.collectives import barrier, broadcast_object, gather_objects, sum_step_totals
 from vlmfast.engines.ddp import ddp_errors_explained
 from vlmfast.engines.portable_state import describe_transfer, state_transfer_refusal, transfer_accepts
 from vlmfast.engines.process_group import apply_nccl_presets, explain_rank_failure, init_distributed
@@ -110,7 +110,8 @@ class OptimizedTrainer:
         self.micro_batching = build_micro_batching(spec, model, describe_memory=self._describe_memory, on_oom=dump)
         self.strategies: list[Strategy] = [
             self.engine.precision, self.accumulation, self.optimization,
-            *build_strategies(spec, BuildContext(self.device, self.world_size, probe_batches=self._probe_batches)),
+            *build_strategies(spec, BuildContext(self.device, self.world_size, probe_batches=self._probe_batches,
+                                                 probe_batch=self._probe_batch)),
             self.micro_batching]
         model = model.to(self.device)
         for strategy in self.strategies:
@@ -125,7 +126,7 @@ class OptimizedTrainer:
         self.timer = RunProfiler(spec.profile, self.model, self.device, precision=spec.precision, tf32=spec.tf32,
                                  log_dir=spec.log.dir, is_main_process=self.is_main_process,
                                  keep_steps=spec.log.history_steps, parts=parts)
-        if spec.packing.enabled:
+        if spec.packing.packs_ids:
             if not isinstance(self.accumulation.shift_labels, bool):  # "auto": measured now (a document's first
                 probe = self._first_sample_batch()  # label is dropped only for a model that shifts labels)
                 self.accumulation.resolve_conventions([probe] if probe is not None else [])
@@ -145,7 +146,7 @@ class OptimizedTrainer:
                             pin_memory=pin, rank=self.rank, world_size=self.world_size,
                             # samples collated per micro-batch in the workers (not for packed rows); a token
                             # budget's batch collated whole to plan on, its micro-batches then from their samples
-                            micro_batch_size=None if spec.packing.enabled
+                            micro_batch_size=None if spec.packing.packs_ids
                             else spec.batch_size if spec.micro_batch_tokens else spec.resolved_micro_batch_size,
                             sample_check=sample_check, cost_model=self._cost_model(model),
                             step_seconds=self._estimate_step_seconds if spec.data.num_workers == "auto" else None),
@@ -177,6 +178,14 @@ class OptimizedTrainer:
         collate = self.collate_fn or torch.utils.data.default_collate
         for sample in probe_samples(self.train_data, count=count):
             yield move_to_device(collate([sample]), self.device)
+
+    def _probe_batch(self, count: int = 4) -> Any:
+        """The first ``count`` training samples collated together (padded) by the user's collate_fn, on the device;
+        None when no sample can be spared (a DataLoader, a one-shot stream)."""
+        samples = probe_samples(self.train_data, count=count)
+        if not samples:
+            return None
+        return move_to_device((self.collate_fn or torch.utils.data.default_collate)(samples), self.device)
 
     def _sample_check(self, model: nn.Module) -> SampleCheck | None:
         """data.check_samples' checks with the vocabulary the ids meet: read off the model, else learned from the
@@ -408,14 +417,21 @@ class OptimizedTrainer:
             loss += share.detach().float()
         return loss, plan
 
-    def optimizer_step(self, loss: torch.Tensor, plan: AccumulationPlan) -> Step:
-        """Every strategy's step points around the engine's update; the step's one host read is `step.read()`."""
+    def optimizer_step(self, loss: torch.Tensor, plan: AccumulationPlan, counts: tuple[int, int] = (0, 0)) -> Step:
+        """Every strategy's step points around the engine's update; the step's one host read is `step.read()`.
+        `counts`: this rank's (samples, tokens), summed over ranks in the loss's all-reduce ("global_samples",
+        "global_tokens" in `step.values` after the read)."""
         self.engine.finish_gradients()
         with self.timer.phase("comm"):
-            loss, stop = sum_loss_and_flags(loss, bool(self.should_stop or self._interrupt))
+            loss, stop, totals = sum_step_totals(loss, bool(self.should_stop or self._interrupt), counts)
         step = Step(self.state.step + 1, self.engine, loss, plan)
         if stop is not False:
             step.defer("stop", stop)
+        for name, total in zip(("global_samples", "global_tokens"), totals, strict=True):
+            if torch.is_tensor(total):
+                step.defer(name, total)
+            else:
+                step.values[name] = float(total)
         for strategy in self.strategies:
             strategy.after_backward(step)
         step.read()
@@ -443,19 +459,22 @@ class OptimizedTrainer:
         if self.compute_clock is not None:  # before the optimizer step: compute up to the last gradient
             compute = self.compute_clock.seconds()
             ranks = {"balance/compute_s": compute, "balance/straggler_s": straggler_seconds(compute, self.device)}
+        samples, tokens = packed_batch_counts(host) if self.spec.packing.packs_ids else (
+            batch_size_of(batch), count_input_tokens(host))  # packed rows hold several samples
         with self.timer.phase("optimizer"):
-            step = self.optimizer_step(loss, plan)
+            step = self.optimizer_step(loss, plan, (samples, tokens))
         self.state.step = step.number
         self.state.skipped_steps += not step.applied
         self.state.micro_batch_size = self.micro_batching.micro_batch_size
         self.state.accumulation_steps = len(plan.micro_batches)
-        samples, tokens = packed_batch_counts(host) if self.spec.packing.enabled else (
-            batch_size_of(batch), count_input_tokens(host))  # packed rows hold several samples
-        self.state.samples_seen += samples * self.world_size
-        self.state.tokens_seen += tokens * self.world_size
+        # every rank's, summed in the loss's all-reduce: ranks hold different shares (rank balance, packing)
+        global_samples, global_tokens = round(step.values["global_samples"]), round(step.values["global_tokens"])
+        self.state.samples_seen += global_samples
+        self.state.tokens_seen += global_tokens
         return {"step": step.number, "loss": step.values["loss"], **step.metrics,
                 "micro_batch_size": self.state.micro_batch_size, "accumulation_steps": self.state.accumulation_steps,
-                "samples": samples, "tokens": tokens, "skipped": not step.applied, **ranks,
+                "samples": samples, "tokens": tokens, "global_samples": global_samples,
+                "global_tokens": global_tokens, "skipped": not step.applied, **ranks,
                 **({"grad_norm": step.values["grad_norm"]} if "grad_norm" in step.values else {})}
 
     def _describe_memory(self) -> str:
@@ -686,8 +705,8 @@ class OptimizedTrainer:
     # ---- reporting ------------------------------------------------------------------------------------------
     def _throughput(self, metrics: dict[str, Any], step_time: float, data_time: float) -> dict[str, Any]:
         out = {"step_time": step_time, "data_time": data_time,
-               "samples_per_s": metrics["samples"] * self.world_size / step_time,
-               "tokens_per_s": metrics["tokens"] * self.world_size / step_time}
+               "samples_per_s": metrics["global_samples"] / step_time,
+               "tokens_per_s": metrics["global_tokens"] / step_time}
         if self.state.step % self.spec.log.memory_every_steps == 0 or self.state.step == 1:
             out.update(memory_stats(self.device))
         return out
@@ -704,7 +723,7 @@ class OptimizedTrainer:
     def _describe_data(self) -> list[str]:
         """Report lines for the data-side switches, which are not strategies (they act in the loader)."""
         packing, grouping = self.spec.packing, self.spec.data.group_by_length
-        lines = [f"packing: rows of {packing.max_tokens} tokens ({packing.algorithm})"] if packing.enabled else []
+        lines = [f"packing: rows of {packing.max_tokens} tokens ({packing.algorithm})"] if packing.packs_ids else []
         autotune = getattr(self.loader, "autotune", None)  # num_workers auto: the choice, the step rate, why
         lines += [f"data: num_workers auto {autotune.reason}"] if autotune is not None else []
         return lines + ([f"data: grouped by {grouping.replace('_', ' ')}"] if grouping != "none" else [])
