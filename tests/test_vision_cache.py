@@ -383,11 +383,13 @@ def _check_hf(tmp_path, model, first, mixed, expected_unit):
     images alone, a batch of another size): the same within 1e-5, norm-relative over the whole gradient."""
     expected = [_loss_and_grads(model, b) for b in (first, first, mixed)]
     cache = cache_vision_features(model, tmp_path)
-    assert cache.unit.name == expected_unit
     for batch, (loss, grads) in zip((first, first, mixed), expected, strict=True):
         got_loss, got_grads = _loss_and_grads(model, batch)
         assert got_loss.item() == pytest.approx(loss.item(), rel=1e-5)
         assert_gradients_close(got_grads, grads, rtol=1e-5)
+    # a trainable projector the stand-in call was not seen to run (Idefics3's: its call picks real images by value,
+    # which a shape-only run cannot) is tried in the whole call, then left out by autograd on the first forward
+    assert cache.unit.name == expected_unit
     assert cache.stats.hits > 0 and cache.stats.misses > cache.stats.stored - 1
     cache.remove()
     return cache

@@ -61,6 +61,9 @@ class ImageModules:
     tower: str
     projectors: tuple[str, ...]
     learned: str  # how: "given", "stand-in call" or "probe forward"
+    # the projectors are what the call ran after the tower (a shape-only run, a probe forward), not what the tower's
+    # owner holds besides it and the text model (a guess: Qwen2.5-Omni's holds its audio tower too)
+    seen: bool = False
 
 
 def find_image_modules(model: nn.Module, batches: Iterable[Any] | None = None,
@@ -76,13 +79,19 @@ def find_image_modules(model: nn.Module, batches: Iterable[Any] | None = None,
         return ImageModules(tower, _held_besides(model, tower), "given")
     found = _stand_in_call(model)
     if found is not None:
-        return ImageModules(found, _held_besides(model, found), "stand-in call")
+        tower, ran = found
+        if ran is not None:
+            return ImageModules(tower, ran, "stand-in call", seen=True)
+        return ImageModules(tower, _held_besides(model, tower), "stand-in call")
     if batches is not None:
         record = _probe(model, batches, need_owner=False)
         if record is not None and "entry" in record:
-            return ImageModules(record["entry"], tuple(record["ran"][1:]), "probe forward")
+            text = _text_embeddings(model)
+            ran = tuple(path for path in record["ran"][1:]
+                        if not any(id(m) in text for m in model.get_submodule(path).modules()))
+            return ImageModules(record["entry"], ran, "probe forward", seen=True)
         if record is not None and "flow" in record:
-            return ImageModules(record["flow"], (), "probe forward")
+            return ImageModules(record["flow"], (), "probe forward", seen=True)
     probed = ("a probe forward of the first samples showed no image flowing into a module" if batches is not None
               else "no sample was given for a probe forward")
     raise ValueError(f"no vision tower found in {type(model).__name__} (no get_image_features call entered a module "
@@ -96,8 +105,9 @@ class _Entered(Exception):
         self.name = name
 
 
-def _stand_in_call(model: nn.Module) -> str | None:
-    """The first module the model's (outermost) ``get_image_features`` enters on a stand-in image, stopped there."""
+def _stand_in_call(model: nn.Module) -> tuple[str, tuple[str, ...] | None] | None:
+    """The first module the model's (outermost) ``get_image_features`` enters on a stand-in image, stopped there;
+    with what the call runs after it (:func:`_ran_after`), or None where a shape-only run of the call fails."""
     owner = next((m for _, m in model.named_modules() if callable(getattr(m, "get_image_features", None))), None)
     if owner is None:
         return None
@@ -114,11 +124,15 @@ def _stand_in_call(model: nn.Module) -> str | None:
         # The other arguments it requires: None, else the image's height and width (what image_sizes-like ones take)
         for values in itertools.product((None, torch.tensor([[size, size]])), repeat=min(len(required), 3)):
             for shape in ((1, channels, size, size), (1, 1, channels, size, size)):  # an image; a row of slots
+                arguments = dict(zip(required, values, strict=False))
                 try:
                     with torch.no_grad():
-                        method(torch.zeros(shape), **dict(zip(required, values, strict=False)))
+                        method(torch.zeros(shape), **arguments)
                 except _Entered as entered:
-                    return entered.name
+                    for hook in hooks:
+                        hook.remove()
+                    hooks.clear()
+                    return entered.name, _ran_after(model, method, shape, arguments, entered.name)
                 except Exception as exc:  # this stand-in is not the call's layout: the next one
                     log.debug("image path: stand-in %s for get_image_features failed (%s)", shape, exc)
     finally:
@@ -127,6 +141,64 @@ def _stand_in_call(model: nn.Module) -> str | None:
         for module, stand_in in wrapped.items():
             module.__dict__["get_image_features"] = stand_in
     return None
+
+
+def _ran_after(model: nn.Module, method: Callable[..., Any], shape: tuple[int, ...], arguments: dict[str, Any],
+               tower: str) -> tuple[str, ...] | None:
+    """The outermost modules the image call runs after the tower, the text embeddings aside (Chameleon's VQ
+    quantizer, not its decoder layers), from a run of the call on fake tensors (shapes only: nothing computed, no
+    memory); None when the call does not run that way (a layout the stand-in does not fit, a data-dependent step)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ran: list[str] = []
+
+    def enter(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: Any) -> None:
+            if not any(name == r or name.startswith(f"{r}.") for r in ran):
+                ran.append(name)
+        return record
+
+    weight = next(model.get_submodule(tower).parameters(), None)
+    state = _module_state(model)  # a module that keeps a tensor of the call (a cache) gets its own value back
+    for m in model.modules():  # pre-hooks (a user's, vlmfast's) never see fake inputs: restored below. Forward
+        m._forward_pre_hooks.clear()  # hooks stay: transformers' output capture (hidden_states) lives there
+    hooks = [m.register_forward_pre_hook(enter(name)) for name, m in model.named_modules() if name]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            image = torch.zeros(shape, device=weight.device if weight is not None else None,
+                                dtype=weight.dtype if weight is not None and weight.is_floating_point() else None)
+            method(image, **arguments)
+    except Exception as exc:  # not a failure of the model's: the owner's children stand in (_held_besides)
+        log.debug("image path: a shape-only run of get_image_features failed (%s)", exc)
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+        _restore_module_state(state)
+    if tower not in ran:
+        return None
+    text = _text_embeddings(model)
+    return tuple(path for path in ran[ran.index(tower) + 1:]
+                 if not any(id(m) in text for m in model.get_submodule(path).modules()))
+
+
+def _module_state(model: nn.Module) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Per module: its attribute dicts (own, parameters, buffers, and those of the plain objects it holds: Chameleon's
+    vocabulary mapping caches a tensor in a cached_property) and a shallow copy of each."""
+    dicts = [d for m in model.modules() for d in (m.__dict__, m._parameters, m._buffers)]
+    held = [v if isinstance(v, dict) else vars(v) for m in model.modules() for v in list(m.__dict__.values())
+            if isinstance(v, dict) or (not isinstance(v, (nn.Module, torch.Tensor, type))
+                                       and isinstance(getattr(v, "__dict__", None), dict))]
+    return [(d, dict(d)) for d in (*dicts, *held)]
+
+
+def _restore_module_state(state: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    for live, saved in state:
+        for key in [k for k in live if k not in saved]:
+            del live[key]
+        for key, value in saved.items():
+            if live.get(key) is not value:
+                live[key] = value
 
 
 def _stop(name: str) -> Callable[..., None]:

@@ -72,10 +72,20 @@ def _pooled(output: Any) -> list[Tensor]:
     raise TypeError(f"the unit returned a {type(output).__name__} without a per-image tensor or pooler_output")
 
 
-def _model_output(pooled: Sequence[Tensor], as_tuple: bool) -> Any:
+def _model_output(pooled: Sequence[Tensor] | Tensor, as_tuple: bool, output_type: type | None = None) -> Any:
+    """A ``pooler_output`` in the call's own output class when it was seen (BLIP-2's carries ``qformer_outputs``,
+    which its forward reads: None on a served call), else ``BaseModelOutputWithPooling``."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    return BaseModelOutputWithPooling(pooler_output=tuple(pooled) if as_tuple else list(pooled))
+    if not isinstance(pooled, Tensor):
+        pooled = tuple(pooled) if as_tuple else list(pooled)
+    return (output_type or BaseModelOutputWithPooling)(pooler_output=pooled)
+
+
+def _output_type(output: Any) -> type | None:
+    """The class of a ModelOutput with a ``pooler_output`` field (to answer in kind), else None."""
+    fields = getattr(type(output), "__dataclass_fields__", {})
+    return type(output) if isinstance(output, dict) and "pooler_output" in fields else None
 
 
 class RowsAdapter:
@@ -85,6 +95,7 @@ class RowsAdapter:
 
     def __init__(self, image_arg: str, output: str = "tensor") -> None:
         self.image_arg, self.output = image_arg, output
+        self.output_type: type | None = None  # the call's own ModelOutput class, once a run showed it
 
     @property
     def layout(self) -> str:
@@ -112,16 +123,15 @@ class RowsAdapter:
         return self.per_image(fn(**{**arguments, **sub}), arguments), None
 
     def per_image(self, output: Any, arguments: dict[str, Any]) -> list[Tensor]:
+        self.output_type = _output_type(output) or self.output_type
         return _pooled(output)
 
     def assemble(self, features: list[Tensor], images: CallImages, arguments: dict[str, Any]) -> Any:
         if self.output == "tensor":
             return torch.stack(features)
         if self.output == "pooled_tensor":  # pooler_output [images, tokens, dim] (Gemma 3, PaliGemma, InternVL)
-            from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-            return BaseModelOutputWithPooling(pooler_output=torch.stack(features))
-        return _model_output(features, as_tuple=False)
+            return _model_output(torch.stack(features), as_tuple=False, output_type=self.output_type)
+        return _model_output(features, as_tuple=False, output_type=self.output_type)
 
 
 class HFTowerAdapter(RowsAdapter):
@@ -374,13 +384,17 @@ def resolve_unit(model: nn.Module, scope: str = "auto", module: str | None = Non
     model_type = getattr(getattr(owner, "config", None), "model_type", None)
     # Nothing besides the tower in the image call (learned: no projector next to it; Qwen2-VL's merger is inside its
     # tower): the tower's features are the call's, so scope tower caches the call, whose layout is learned end to end
-    # (the tower's own forward may take flattened patches with a grid, not one image per row)
-    whole = scope == "tower_and_projector" or not projectors or (scope == "auto" and projector_frozen)
+    # (the tower's own forward may take flattened patches with a grid, not one image per row). A trainable module the
+    # call was not seen to run (Qwen2.5-Omni's audio tower, held next to its vision tower) may not be in it at all:
+    # the whole call is tried, and autograd on its first run narrows the cache to the tower if its output needs a
+    # gradient (FeatureCache._narrow_or_refuse).
+    unsure = scope == "auto" and bool(trains) and not found.seen
+    whole = scope == "tower_and_projector" or not projectors or (scope == "auto" and projector_frozen) or unsure
     if scope == "tower_and_projector" and not projector_frozen:
         reason = "has no projector next to the tower" if not projectors else f"'{trains[0]}' trains"
         raise ValueError(f"vision_cache.scope is tower_and_projector but the model {reason}: use scope: tower")
     if whole and hasattr(owner, "get_image_features"):
-        modules = {tower_path: tower, **projectors}
+        modules = {tower_path: tower, **{path: m for path, m in projectors.items() if path not in trains}}
         if model_type is not None:  # a Hugging Face VLM: its layout learned on its first forward with two images
             return Unit(owner, "get_image_features", LearnedAdapter(_first_argument(owner.get_image_features)),
                         modules, config)
