@@ -308,6 +308,74 @@ def _idefics2(seed: int) -> ZooCase:
     return ZooCase("idefics2", model, samples, collate, image_token_ids=(ids["<image>"],))
 
 
+@dataclass
+class FuyuCollate:
+    """FuyuProcessor puts each sample's (one) image first itself, as rows of ``|SPEAKER|`` patch tokens each ended by
+    ``|NEWLINE|``, then ``<s>``, the text and ``<0x04>`` (beginning of answer); with images it pads on the left.
+    Labels: input_ids but for the ``ignore_ids`` and each row's first real token."""
+
+    processor: Any
+    ignore_ids: tuple[int, ...]
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        kwargs: dict[str, Any] = {"text": [s["text"] for s in samples], "return_tensors": "pt"}
+        if any(s["images"] for s in samples):
+            kwargs.update(images=[list(s["images"]) for s in samples], return_legacy_image_output=False)
+        else:
+            kwargs["padding"] = True
+        batch = dict(self.processor(**kwargs))
+        batch["labels"] = _labels(batch["input_ids"], self.ignore_ids)
+        first = batch["attention_mask"].long().argmax(dim=1)
+        batch["labels"][torch.arange(len(first)), first] = -100
+        return batch
+
+def _leading_space(tokenizer: Any) -> Any:
+    """The tokenizer, starting every text with a "\u2581" token as a SentencePiece one does (FuyuProcessor tokenises
+    the image tokens' text on its own and strips that first token off it)."""
+
+    class SentencePieceLike(type(tokenizer)):  # type: ignore[misc]
+        def __call__(self, text: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(text, str):
+                text = "\u2581 " + text
+            elif isinstance(text, list) and all(isinstance(t, str) for t in text):
+                text = ["\u2581 " + t for t in text]
+            return super().__call__(text, *args, **kwargs)
+
+    tokenizer.__class__ = SentencePieceLike
+    return tokenizer
+
+
+
+def _fuyu(seed: int) -> ZooCase:
+    """Fuyu: no vision tower, each 8x8 patch linearly embedded (``vision_embed_tokens``) into its ``|SPEAKER|``
+    token; a Persimmon decoder; the real FuyuProcessor (at most one image per sample: it takes one)."""
+    import transformers as T
+
+    special = ["<pad>", "<unk>", "<s>", "</s>", "<0x04>", "|SPEAKER|", "|NEWLINE|", "\u2581"]
+    tokenizer = _leading_space(word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                              eos_token="</s>"))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    class FuyuImageProcessorPil(T.FuyuImageProcessorPil):
+        """Its patchify_image is numpy code, and FuyuProcessor hands it torch tensors (its images_kwargs force
+        return_tensors "pt"): the tensor goes in as an array, the patches come back as a tensor."""
+
+        def patchify_image(self, image: Any, patch_size: Any = None) -> torch.Tensor:
+            return torch.from_numpy(np.asarray(super().patchify_image(np.asarray(image), patch_size)))
+
+    image_processor = FuyuImageProcessorPil(size={"height": 16, "width": 16}, patch_size={"height": 8, "width": 8})
+    processor = T.FuyuProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    torch.manual_seed(seed)
+    text = T.PersimmonConfig(**{**_text_config(len(tokenizer), pad_token_id=0, bos_token_id=ids["<s>"],
+                                               eos_token_id=ids["</s>"]), "num_key_value_heads": 4})
+    config = T.FuyuConfig(text_config=text, image_size=16, patch_size=8, image_token_id=ids["|SPEAKER|"])
+    model = T.FuyuForCausalLM(config)
+    samples = _items(seed, [(16, 16), (8, 16), (16, 8)])
+    for sample in samples:  # one image at most
+        sample["images"] = sample["images"][:1]
+    return ZooCase("fuyu", model, samples, FuyuCollate(processor, tuple(ids.values())),
+                   image_token_ids=(ids["|SPEAKER|"],), notes=["0 or 1 image per sample: its processor takes one"])
+
+
 
 def _llava(seed: int) -> ZooCase:
     import transformers as T
@@ -876,6 +944,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "phi4_multimodal": _phi4_multimodal,
     "glm4v": _glm4v,
     "idefics2": _idefics2,
+    "fuyu": _fuyu,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
@@ -884,7 +953,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
 ZOO = tuple(BUILDERS)
 VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
              "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip", "aya_vision",
-             "chameleon", "kosmos2", "blip2", "qwen2_5_omni", "phi4_multimodal", "glm4v", "idefics2")
+             "chameleon", "kosmos2", "blip2", "qwen2_5_omni", "phi4_multimodal", "glm4v", "idefics2", "fuyu")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:
