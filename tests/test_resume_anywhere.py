@@ -15,6 +15,7 @@ from conftest import TinyCausalLM, TokenDataset, spawn_two_ranks
 from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.checkpoints.store import load_checkpoint
 from vlmfast.engines.portable_state import state_transfer_refusal
+from vlmfast.engines.zero_load import gather_full_state
 from vlmfast.spec import SpecError
 
 GLOBAL_BATCH, STEPS = 8, 4
@@ -29,9 +30,9 @@ def spec(directory: Path, world_size: int, engine: str = "ddp", resume: str = "n
 
 
 def train(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never",
-          lora: bool = False, zero_stage: int = 2) -> OptimizedTrainer:
+          lora: bool = False, zero_stage: int = 2, dtype: torch.dtype = torch.float64) -> OptimizedTrainer:
     torch.manual_seed(0)  # the same initial weights on every rank and in every run
-    trainer = OptimizedTrainer(TinyCausalLM().double(), TokenDataset(64),
+    trainer = OptimizedTrainer(TinyCausalLM().to(dtype), TokenDataset(64),
                                spec(directory, world_size, engine, resume, lora, zero_stage))
     trainer.fit_result = trainer.fit()
     return trainer
@@ -39,8 +40,11 @@ def train(directory: Path, world_size: int, engine: str = "ddp", resume: str = "
 
 def _two_rank_cases(root: str, single_run: str) -> dict:
     """On each of 2 ranks: DDP and FSDP2 runs from scratch (their step-2 checkpoints are resumed elsewhere), then
-    1 -> 2 ranks, DDP -> FSDP2 and FSDP2 -> DDP continuations from step 2; last (DeepSpeed patches torch for the
-    rest of the process) a ZeRO-2 run, resumed on one rank by the test."""
+    1 -> 2 ranks, DDP -> FSDP2 and FSDP2 -> DDP continuations from step 2, a LoRA run and the tiny VLM's run with
+    packing, rank balance and the token budget (both resumed on one rank by the tests); last (DeepSpeed patches
+    torch for the rest of the process) a ZeRO-2 run, resumed on one rank by the test, and the DDP -> ZeRO-3
+    (float32: ZeRO-3 partitions no float64) and FSDP2 -> ZeRO-1 continuations, whose final fp32 masters and Adam
+    state are gathered here with DeepSpeed's accessors (every rank takes part)."""
     root_path = Path(root)
     train(root_path / "ddp2", 2)
     train(root_path / "fsdp2", 2, engine="fsdp")
@@ -48,8 +52,16 @@ def _two_rank_cases(root: str, single_run: str) -> dict:
     train(root_path / "ddp_to_fsdp", 2, engine="fsdp", resume=str(root_path / "ddp2" / "step_00000002"))
     train(root_path / "fsdp_to_ddp", 2, resume=str(root_path / "fsdp2" / "step_00000002"))
     train(root_path / "lora_fsdp2", 2, engine="fsdp", lora=True)  # resumed on one rank by the test
+    vlm, seen = train_vlm(root_path / "vlm2", 2)  # packed, balanced, budgeted: resumed on one rank by the test
+    vlm_case = {"steps": seen.steps, "packed": seen.packed, "history": vlm.fit_result.history}
     train(root_path / "zero2", 2, engine="deepspeed", zero_stage=2)  # float64 weights, fp32 masters in DeepSpeed
-    return {"resharded": resharded.resharded}
+    into_zero = {}
+    for case, stage, source, dtype in (("ddp_to_zero3", 3, "ddp2", torch.float32),
+                                       ("fsdp_to_zero1", 1, "fsdp2", torch.float64)):
+        trainer = train(root_path / case, 2, engine="deepspeed", zero_stage=stage, dtype=dtype,
+                        resume=str(root_path / source / "step_00000002"))
+        into_zero[case] = gather_full_state(trainer.engine.engine, trainer.engine.module)
+    return {"resharded": resharded.resharded, "into_zero": into_zero, "vlm": vlm_case}
 
 
 def final_state(directory: Path) -> tuple[dict[str, torch.Tensor], list[tuple[float, float, float]]]:
@@ -62,16 +74,20 @@ def final_state(directory: Path) -> tuple[dict[str, torch.Tensor], list[tuple[fl
 
 
 def assert_same_run(actual: Path, expected: Path) -> None:
-    weights, moments = final_state(actual)
+    assert_same_state(actual.name, *final_state(actual), expected)
+
+
+def assert_same_state(label: str, weights: dict[str, torch.Tensor], moments: list[tuple[float, float, float]],
+                      expected: Path) -> None:
     reference, reference_moments = final_state(expected)
     assert weights.keys() == reference.keys()
     difference = torch.cat([(weights[k].double() - reference[k].double()).flatten() for k in reference]).norm()
     scale = torch.cat([reference[k].double().flatten() for k in reference]).norm()
-    assert difference <= 1e-6 * scale, f"{actual.name}: weights off by {difference / scale:.2e} of their norm"
+    assert difference <= 1e-6 * scale, f"{label}: weights off by {difference / scale:.2e} of their norm"
     assert [m[0] for m in moments] == [m[0] for m in reference_moments] == [float(STEPS)] * len(moments)
     flat = [value for moment in moments for value in moment[1:]]
     assert flat == pytest.approx([v for m in reference_moments for v in m[1:]], rel=1e-6), \
-        f"{actual.name}: Adam's moments differ"
+        f"{label}: Adam's moments differ"
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +103,32 @@ def runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("case", ["ddp2", "fsdp2", "one_to_two", "ddp_to_fsdp", "fsdp_to_ddp"])
 def test_two_rank_runs_and_continuations_end_where_one_process_does(runs, case):
     assert_same_run(runs / case, runs / "single")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["ddp_to_zero3", "fsdp_to_zero1"])
+def test_a_full_state_continues_in_deepspeed_zero_with_its_moments_and_step_counts(runs, case):
+    """A DDP (numbered optimizer state) or FSDP2 (named) checkpoint of step 2 loaded into ZeRO-3 / ZeRO-1 on 2 ranks
+    (vlmfast.engines.zero_load): the fp32 masters, Adam's exp_avg / exp_avg_sq and steps at step 4 are the
+    uninterrupted float64 run's within 1e-6 (measured: ZeRO-3 in float32 ~1e-7, the rounding of float32 itself):
+    moments or steps reset at the resume would be off by far more."""
+    gathered = torch.load(runs / "cases.0", weights_only=False)["into_zero"][case]
+    moments = sorted((float(s["step"]), float(s["exp_avg"].double().norm()), float(s["exp_avg_sq"].double().norm()))
+                     for s in gathered["optimizer"]["state"].values())
+    assert_same_state(case, gathered["model"], moments, runs / "single")
+
+
+@pytest.mark.timeout(600)
+def test_samples_and_tokens_seen_are_summed_over_ranks(runs):
+    """Two ranks hold different token counts in a step; the run's counters are their sum (one all-reduce with the
+    loss), the single process's figures, not rank 0's x 2."""
+    seen = [load_checkpoint(runs / run / f"step_{STEPS:08d}")["trainer"] for run in ("single", "ddp2", "fsdp2")]
+    assert [(s["samples_seen"], s["tokens_seen"]) for s in seen] == [(seen[0]["samples_seen"],
+                                                                     seen[0]["tokens_seen"])] * 3
+    steps = [json.loads(line) for line in (runs / "ddp2" / "log" / "metrics.jsonl").read_text().splitlines()
+             if '"global_tokens"' in line]
+    assert sum(m["global_tokens"] for m in steps) == seen[0]["tokens_seen"]
+    assert any(m["tokens"] * 2 != m["global_tokens"] for m in steps), "the ranks' shares should differ here"
 
 
 @pytest.mark.timeout(600)
@@ -122,13 +164,18 @@ def test_a_zero2_checkpoint_of_two_ranks_continues_on_one_ddp_rank(runs, tmp_pat
     assert_same_run(tmp_path, runs / "single")
 
 
-def test_a_deepspeed_checkpoint_does_not_move_to_another_engine_or_rank_count_and_says_both_sides():
+def test_impossible_engine_pairs_are_refused_naming_both_sides():
     ddp, zero = TrainSpec(batch_size=8), TrainSpec(batch_size=8, engine="deepspeed")
     assert state_transfer_refusal({"engine": "ddp"}, 2, TrainSpec(batch_size=4, engine="fsdp"), 2) is None
     assert state_transfer_refusal({"engine": "deepspeed", "deepspeed": {"zero_stage": 1}}, 2, ddp, 1) is None
     zero3 = {"engine": "deepspeed", "deepspeed": {"zero_stage": 3}}
     assert "engine 'deepspeed' (ZeRO-3) -> 'ddp'" in state_transfer_refusal(zero3, 1, ddp, 1)
-    assert "engine 'ddp' -> 'deepspeed'" in state_transfer_refusal({"engine": "ddp"}, 1, zero, 1)
+    assert state_transfer_refusal({"engine": "ddp"}, 1, zero, 2) is None  # into ZeRO-1/2/3: vlmfast.engines.zero_load
+    zero0 = TrainSpec(batch_size=8, engine="deepspeed", deepspeed={"zero_stage": 0})
+    assert "engine 'fsdp' -> 'deepspeed' (ZeRO-0)" in state_transfer_refusal({"engine": "fsdp"}, 1, zero0, 1)
+    factored = TrainSpec(batch_size=8, engine="deepspeed", optimizer={"name": "adafactor"})
+    assert "engine 'ddp' -> 'deepspeed' (ZeRO-2): optimizer.name 'adafactor'" in state_transfer_refusal(
+        {"engine": "ddp"}, 1, factored, 1)
     assert "on 2 rank(s) -> 1" in state_transfer_refusal({"engine": "deepspeed"}, 2, zero, 1)
 
 
@@ -181,3 +228,86 @@ def test_every_step_deals_the_same_global_batch_on_any_rank_count_and_after_a_re
     assert global_batches(data_spec, 2, 12) == one == global_batches(data_spec, 4, 12)
     resumed = global_batches(data_spec, 4, 5, start={"epoch": 1, "batch_in_epoch": 2})  # 1 rank's position, on 4
     assert resumed == one[7:12], "sample by sample, the continuation on 4 ranks takes the uninterrupted run's batches"
+
+
+# ---- the tiny VLM with packing, rank balance and the token budget, 2 ranks -> 1 -------------------------------------
+class Float64:
+    """The collate_fn of a float64 model: floating tensors (pixels) as float64."""
+
+    def __init__(self, collate) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list) -> dict:
+        return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in self.collate(samples).items()}
+
+
+def _fingerprint(pixels: torch.Tensor) -> tuple[float, float]:
+    return round(float(pixels.double().sum()), 6), round(float(pixels.double().square().sum()), 6)
+
+
+class SeenSamples:
+    """Which samples each optimizer step trained on this rank: a forward pre-hook knows each sample by its image (packed
+    rows, token-budget micro-batches and the engine's wrapper alike); on_step_end closes the step. `packed`: a call
+    got fewer rows than images."""
+
+    def __init__(self, model: torch.nn.Module, data, collate) -> None:
+        self.index = {_fingerprint(collate([data[i]])["pixel_values"][0]): i for i in range(len(data))}
+        assert len(self.index) == len(data), "every sample's image differs"
+        self.steps: list[list[int]] = []
+        self.current: set[int] = set()
+        self.packed = False
+        model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs) -> None:
+        pixels, ids = kwargs["pixel_values"], kwargs["input_ids"]
+        images = [p for p in pixels.reshape(-1, *pixels.shape[-3:]) if p.any()]  # packed: [rows, images, ...], padded
+        self.current |= {self.index[_fingerprint(p)] for p in images}
+        self.packed |= ids.shape[0] < len(images)
+
+    def on_fit_start(self, trainer) -> None:
+        self.current = set()  # the packing check's forward at build time is no step
+
+    def on_step_end(self, trainer, metrics) -> None:
+        self.steps.append(sorted(self.current))
+        self.current = set()
+
+
+def train_vlm(directory: Path, world_size: int, resume: str = "never") -> tuple[OptimizedTrainer, SeenSamples]:
+    """4 steps of 8 samples (2 epochs of 16) on the tiny VLM in float64: packed rows (64 tokens), dealt by cost,
+    micro-batches cut by a 96-token budget; saved at step 2."""
+    from vlmfast.models import TinyVLMConfig, build_tiny_vlm_task
+
+    small = TinyVLMConfig(vision_dim=32, text_dim=32, vision_heads=2, text_heads=2, vision_layers=1, text_layers=2)
+    model, data, collate = build_tiny_vlm_task(seed=0, num_samples=16, config=small)
+    model, collate = model.double(), Float64(collate)
+    seen = SeenSamples(model, data, collate)
+    spec = TrainSpec(max_steps=STEPS, batch_size=GLOBAL_BATCH // world_size, seed=0, optimizer={"lr": 1e-2},
+                     packing={"enabled": True, "max_tokens": 64}, micro_batch_tokens=96,
+                     data={"rank_balance": "cost"}, log={"progress": "off", "dir": str(directory / "log")},
+                     save={"dir": str(directory), "every_steps": 2, "resume": resume})
+    trainer = OptimizedTrainer(model, data, spec, collate_fn=collate, callbacks=[seen])
+    trainer.fit_result = trainer.fit()
+    return trainer, seen
+
+
+@pytest.mark.timeout(600)
+def test_the_tiny_vlm_packed_balanced_and_budgeted_continues_from_two_ranks_on_one(runs, tmp_path):
+    """Packed rows, shares dealt by cost and micro-batches cut by a token budget on 2 ranks, continued from step 2 on
+    one rank: every step trains the uninterrupted one-process run's global batch, sample by sample, and the run ends
+    on its weights and Adam state (1e-6)."""
+    ranks = [torch.load(runs / f"cases.{rank}", weights_only=False)["vlm"] for rank in range(2)]
+    _, uninterrupted = train_vlm(tmp_path / "single", 1)
+    resumed, continued = train_vlm(tmp_path / "resumed", 1, resume=str(runs / "vlm2" / "step_00000002"))
+    assert resumed.resharded["from_world_size"] == 2 and resumed.fit_result.history[0]["step"] == 3
+    two_ranks = [sorted(set(a) | set(b)) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
+    assert two_ranks == uninterrupted.steps and all(len(batch) == GLOBAL_BATCH for batch in two_ranks)
+    assert all(not set(a) & set(b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True))
+    assert continued.steps == uninterrupted.steps[2:], "the continuation on one rank takes the same global batches"
+    # each piece was at work: packed rows, the cost deal, more than one micro-batch per step under the budget
+    assert ranks[0]["packed"] and ranks[1]["packed"] and continued.packed
+    history = ranks[0]["history"]
+    assert "balance/imbalance" in history[0] and all(h["accumulation_steps"] > 1 for h in history)
+    assert all(h["accumulation_steps"] > 1 for h in resumed.fit_result.history)
+    assert_same_run(runs / "vlm2", tmp_path / "single")
+    assert_same_run(tmp_path / "resumed", tmp_path / "single")

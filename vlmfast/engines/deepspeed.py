@@ -36,7 +36,9 @@ from vlmfast.engines.base import Engine, OptimizerFactory, StepResult, check_tra
 from vlmfast.engines.build_locks import explain_build_locks
 from vlmfast.engines.deepspeed_safe_load import weights_only_loading
 from vlmfast.engines.foreign_loops import filter_deepspeed_warnings
+from vlmfast.engines.portable_state import parameter_names
 from vlmfast.engines.process_group import ensure_process_group
+from vlmfast.engines.zero_load import load_full_state
 from vlmfast.spec import SpecError, TrainSpec
 from vlmfast.strategies.precision import EnginePrecision
 
@@ -157,6 +159,8 @@ class DeepSpeedEngine(Engine):
         # _do_args_sanity_check, zero/utils.py, zero/partition_parameters.py); a launcher sets it, one process not.
         os.environ.setdefault("LOCAL_RANK", "0")
         self.module, self.optimizer = model, build_optimizer(model)
+        # a numbered optimizer state counts the parameters in this order; deepspeed.initialize replaces them
+        self.parameter_names = parameter_names(self.optimizer, model)
         with explain_build_locks(), notice_if_slow(DEEPSPEED_BUILD_NOTICE):  # a stale lock; a slow first build
             self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config,
                                                         dist_init_required=False)
@@ -214,7 +218,10 @@ class DeepSpeedEngine(Engine):
         return {}  # weights and optimizer states live in DeepSpeed's shards (save_shards)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restored by :meth:`load_shards`."""
+        """A full state another engine wrote (one process, DDP, FSDP2: "model" and "optimizer") goes into the ZeRO
+        partitions (vlmfast.engines.zero_load); DeepSpeed's own checkpoint is restored by :meth:`load_shards`."""
+        if "model" in state:
+            load_full_state(self.engine, self.module, self.optimizer, state, self.parameter_names)
 
     def save_shards(self, directory: Path, trainable_only: bool = False) -> None:
         """Every rank writes its shard into `directory/deepspeed` (a collective: all ranks must call it).

@@ -9,8 +9,10 @@ same factory over the same named parameters, so number k is the k-th parameter o
 :func:`optimizer_state_by_name` and :func:`optimizer_state_by_index` translate, and any engine of the three loads what
 any other wrote. DeepSpeed writes per-rank ZeRO shards of its own (fp32 partitions, its own optimizer layout): a
 ZeRO-1/2 checkpoint is merged into that full state (vlmfast.engines.zero_state, DeepSpeed's zero_to_fp32 merge), so
-it continues on any rank count with another engine; a change to DeepSpeed, from ZeRO-0/3, or of DeepSpeed's rank
-count, is refused naming both sides.
+it continues on any rank count with another engine. The other way, a full state is loaded into a ZeRO-1/2/3 engine
+through DeepSpeed's own accessors (vlmfast.engines.zero_load), on any rank count. Refused, naming both sides: a
+ZeRO-0/3 checkpoint to another engine, a full state into ZeRO-0 or with a factored optimizer (Adafactor, whose
+state DeepSpeed would compute on flat partitions), a DeepSpeed checkpoint on another DeepSpeed rank count.
 
 Usage::
 
@@ -20,7 +22,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +31,8 @@ from torch import nn
 from vlmfast.engines.zero_state import CONVERTIBLE_ZERO_STAGES
 
 PORTABLE_ENGINES = ("ddp", "fsdp")  # full model + optimizer state: any of them loads what another wrote
+INTO_ZERO_STAGES = (1, 2, 3)  # DeepSpeed stages a full state is loaded into (vlmfast.engines.zero_load)
+ELEMENTWISE_OPTIMIZERS = ("adamw", "sgd")  # state shaped as each parameter: the same on a flat partition
 
 
 def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any, world_size: int) -> str | None:
@@ -42,6 +46,8 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
     stage = saved.get("deepspeed", {}).get("zero_stage", 2)
     if old == "deepspeed" and new in PORTABLE_ENGINES and stage in CONVERTIBLE_ZERO_STAGES:
         return None  # its shards are merged into the full state (vlmfast.engines.zero_state)
+    if old in PORTABLE_ENGINES and new == "deepspeed":
+        return _into_zero_refusal(old, spec)
     if old == new:
         return (f"engine 'deepspeed' on {saved_world} rank(s) -> {world_size}: DeepSpeed's ZeRO checkpoint is one "
                 "shard per rank in its own layout. Resume on the same number of ranks, or convert the checkpoint to a "
@@ -50,10 +56,22 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
         return (f"engine 'deepspeed' (ZeRO-{stage}) -> '{new}': only a ZeRO-1/2 checkpoint (one flat fp32 partition "
                 f"per rank) is merged into the full state another engine loads; ZeRO-{stage}'s is not. Resume with "
                 "engine: deepspeed, or start a new run (save.resume: never) from the model's weights")
-    return (f"engine '{old}' -> '{new}': a DeepSpeed engine restores only its own per-rank ZeRO shards "
-            "(engine.load_checkpoint); a full state (weights and Adam moments per parameter) would have to be "
-            "written out as DeepSpeed's universal checkpoint first, which vlmfast does not do. Resume with engine: "
+    return (f"engine '{old}' -> '{new}': neither engine's state carries over to the other. Resume with engine: "
             f"{old}, or start a new run (save.resume: never) from the model's weights")
+
+
+def _into_zero_refusal(old: str, spec: Any) -> str | None:
+    """Why a full state (one process, DDP, FSDP2) cannot continue exactly under `spec`'s DeepSpeed engine, or None:
+    ZeRO-1/2/3 take it into their flat fp32 partitions (vlmfast.engines.zero_load)."""
+    stage, optimizer = spec.deepspeed.zero_stage, spec.optimizer.name
+    if stage not in INTO_ZERO_STAGES:
+        return (f"engine '{old}' -> 'deepspeed' (ZeRO-{stage}): only ZeRO-1/2/3 keep flat fp32 partitions a full state "
+                f"is loaded into. Set deepspeed.zero_stage: 1, 2 or 3, or resume with engine: {old}")
+    if optimizer not in ELEMENTWISE_OPTIMIZERS:
+        return (f"engine '{old}' -> 'deepspeed' (ZeRO-{stage}): optimizer.name '{optimizer}' keeps factored (row / "
+                "column) state per matrix, which DeepSpeed would compute over its flat 1-D partitions instead: the "
+                f"continuation could not be exact. Resume with engine: {old}, or start a new run (save.resume: never)")
+    return None
 
 
 def transfer_accepts(saved: Mapping[str, Any], spec: Any) -> tuple[str, ...]:
@@ -78,7 +96,7 @@ def describe_transfer(saved: Mapping[str, Any], saved_world: int, spec: Any, wor
             "from_world_size": saved_world, "from_engine": old_engine, "from_batch_size": old_batch}
 
 
-def _parameter_order(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
+def parameter_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
     """The names of the optimizer's parameters, in the order ``Optimizer.state_dict()`` numbers them."""
     names = {id(p): name for name, p in module.named_parameters()}
     order = []
@@ -100,7 +118,12 @@ def is_named(optimizer_state: Mapping[str, Any]) -> bool:
 def optimizer_state_by_name(state: Mapping[str, Any], optimizer: torch.optim.Optimizer,
                             module: nn.Module) -> dict[str, Any]:
     """A numbered optimizer state (``Optimizer.state_dict()``) with each parameter named as in `module`."""
-    order = _parameter_order(optimizer, module)
+    return name_optimizer_state(state, parameter_names(optimizer, module))
+
+
+def name_optimizer_state(state: Mapping[str, Any], order: Sequence[str]) -> dict[str, Any]:
+    """A numbered optimizer state with parameter k named order[k] (:func:`parameter_names` of the optimizer that
+    will load it, taken while it still holds the module's parameters)."""
     return {"state": {order[index]: value for index, value in state["state"].items()},
             "param_groups": [{**group, "params": [order[index] for index in group["params"]]}
                              for group in state["param_groups"]]}
@@ -110,7 +133,7 @@ def optimizer_state_by_index(state: Mapping[str, Any], optimizer: torch.optim.Op
                              module: nn.Module) -> dict[str, Any]:
     """A named optimizer state (torch's distributed-checkpoint format) numbered as `optimizer` numbers its
     parameters, for ``Optimizer.load_state_dict``."""
-    index = {name: k for k, name in enumerate(_parameter_order(optimizer, module))}
+    index = {name: k for k, name in enumerate(parameter_names(optimizer, module))}
     missing = [name for group in state["param_groups"] for name in group["params"] if name not in index]
     if missing:
         raise ValueError(f"the checkpoint's optimizer holds parameters this model's optimizer does not: {missing[:3]}")

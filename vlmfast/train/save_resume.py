@@ -65,9 +65,11 @@ def resume_run(engine: Engine, load_state_dict: Callable[[dict[str, Any]], None]
         state = load_checkpoint(path, map_location="cpu")
         if check is not None:
             check(state)
-        if not engine.writes_shards and (path / CHECKPOINT_TAG).is_dir():  # ZeRO shards, resumed by another engine
+        if (path / CHECKPOINT_TAG).is_dir() and not engine.writes_shards:  # ZeRO shards, resumed by another engine
             state["engine"] = full_state_from_zero(path / CHECKPOINT_TAG, trainable_only="frozen" in state)
-        engine.load_shards(path)
+        elif (path / CHECKPOINT_TAG).is_dir():
+            engine.load_shards(path)
+        # else a full state: any engine loads it in load_state_dict (DeepSpeed into its ZeRO partitions)
         load_state_dict(state)
     except SpecError:
         raise
