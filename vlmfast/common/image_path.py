@@ -7,13 +7,16 @@ Two probes, one answer (``tests/test_zoo.py`` checks that they agree on every zo
   cache built in a hand-written loop): the model's ``get_image_features`` is called on a stand-in image with a
   forward pre-hook on every module that stops the call at the first module it enters (arguments it requires besides
   the image get None, else the image's height and width). Nothing is computed (it works on the meta device); the
-  model's own code decides which module takes the images first. The projector is then what
-  the tower's owner holds besides the tower and the text model (the modules holding the text embeddings).
+  model's own code decides which module takes the images first. The projector is then what the call runs after the
+  tower, the text embeddings aside, seen by running it on fake tensors (shapes only); where that run cannot go (a
+  patch layout the stand-in does not fit, a step that reads values), what the tower's owner holds besides the tower
+  and the text model (the modules holding the text embeddings).
 - **Probe forward** (:func:`learn_image_path`, one no-grad forward of a training sample with an image): the tower is
   the first module the ``get_image_features`` call enters, the projector what the call runs after it; for a model
-  without that method (Mllama, a custom model), the tower is the outermost module below the model that the image
-  tensor (a floating batch tensor of four or more dimensions: ``[N, C, H, W]`` and up), or a view of it, flows into,
-  and that does not hold the text embeddings.
+  without that method (Mllama, Phi-4-multimodal, a custom model), the tower is the outermost module below the model
+  that the image tensor (a floating batch tensor of four or more dimensions: ``[N, C, H, W]`` and up), or a view of
+  it, flows into with no other floating input (not a module that merges image features into the text embeddings, as
+  Phi-4's ``embed_tokens_extend`` and its image half do), and that does not hold the text embeddings.
 
 When neither decides, the caller asks for the module path (``vision_cache.module``, ``tower=``).
 
@@ -299,6 +302,8 @@ def _probe(model: nn.Module, batches: Iterable[Any], need_owner: bool) -> dict[s
                 record.clear()
                 record.update(_fresh())
                 continue
+            if "flow_mixed" in record and "flow" not in record:  # the images change before any tower (a cast)
+                record["flow"] = record["flow_mixed"]
             if "owner" in record or (not need_owner and "flow" in record):
                 return record
     finally:
@@ -331,10 +336,14 @@ def _watcher(record: dict[str, Any], name: str, holds_text: bool) -> Callable[..
         if "owner" in record and "trigger" not in record:
             record["trigger"] = (name, record["counts"].get(name, 0))
         record["counts"][name] = record["counts"].get(name, 0) + 1
-        if name and not holds_text and "flow" not in record and record["images"] and any(
-                isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in record["images"]
-                for t in (*args, *kwargs.values())):
-            record["flow"] = name  # the outermost module below the model the images flow into, text aside
+        if not name or holds_text or "flow" in record or not record["images"]:
+            return
+        floating = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        images = [t.untyped_storage().data_ptr() in record["images"] for t in floating]
+        if any(images):  # the outermost module below the model the images flow into, text aside
+            record.setdefault("flow_mixed", name)
+            if all(images):  # ... and nothing else floating: not a module that merges them into the text's
+                record["flow"] = name  # embeddings (Phi-4's embed_tokens_extend and its image half): its tower
     return watch
 
 

@@ -292,9 +292,13 @@ class LearnedAdapter:
         return self.chosen is None and self.failed is None
 
     def images_in(self, arguments: dict[str, Any]) -> int:
-        """The most real images any candidate cuts from `arguments` (0 when none can)."""
+        """The most real images any candidate cuts from `arguments`; else the rows of the largest image-like
+        tensor in them (a model forward whose images reach the unit under another name, reshaped: Phi-4's
+        ``image_pixel_values`` [images, crops, C, H, W] become its tower's ``pixel_values``); 0 when none."""
         counts = [sum(images.real) for c in self.candidates if (images := c.split(arguments)) is not None]
-        return max(counts, default=0)
+        rows = [v.shape[0] for v in arguments.values()
+                if isinstance(v, Tensor) and v.is_floating_point() and v.dim() >= 4]
+        return max(counts, default=0) or max(rows, default=0)
 
     def split(self, arguments: dict[str, Any]) -> CallImages | None:
         return self.chosen.split(arguments) if self.chosen is not None else None
