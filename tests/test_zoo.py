@@ -170,13 +170,7 @@ def test_chunked_cross_entropy_gives_the_full_batch_update_or_is_refused(case):
 
 
 # Families whose vision-cache support is being written (vlmfast/features): remove an entry once its cells pass.
-VISION_CACHE_PENDING = {
-    "qwen2_5_omni": "the cache serves nothing (its tower's call takes hidden_states + grid_thw, no layout learned) "
-                    "yet stays on: no hits and no reason given",
-    "phi4_multimodal": "the tower is found as model.embed_tokens_extend (image + audio embedding, projection "
-                       "inside), whose call takes the whole batch's crops; the cache turns off saying 'the tower's "
-                       "inputs require a gradient'",
-}
+VISION_CACHE_PENDING: dict[str, str] = {}
 
 
 def test_the_tower_and_projector_are_found_by_probing_the_same_by_either_probe(case, request):
