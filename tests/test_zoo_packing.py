@@ -31,6 +31,9 @@ REFUSED = {  # family -> what the refusal must say: refused by its batch layout,
     "cnn": r"packing needs token sequences.*a list",
     # InstructBLIP's Q-Former prompt is one per sample: a packed row of several samples has no place for them
     "instructblip": r"packing cannot lay out batch key 'qformer_input_ids'.*a per-sample value has no layout rule",
+    # An encoder-decoder's labels are the decoder's tokens, not the encoder row's: no place for them in a packed row
+    "florence2": r"packing cannot lay out batch key 'labels' \(one sample: \(1, \d+\)\): a per-sample value has no "
+                 r"layout rule",
     # Measured by the probe at construction: Kosmos-2's vision model takes [images, C, H, W], not a row's [1, n, C,
     # H, W]; with image_layout flat it runs but is not exact (logits 1.3 off: its text model's positions and
     # attention span the whole row)

@@ -376,6 +376,55 @@ def _fuyu(seed: int) -> ZooCase:
                    image_token_ids=(ids["|SPEAKER|"],), notes=["0 or 1 image per sample: its processor takes one"])
 
 
+@dataclass
+class Florence2Collate:
+    """Florence-2 is an encoder-decoder: the processor writes image tokens + ``<s>`` + the prompt + ``</s>`` for the
+    encoder (one image per text); the answer, tokenised apart, is the labels (padding -100), which the model shifts
+    right into the decoder's inputs."""
+
+    processor: Any
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        words = [s["text"].split() for s in samples]
+        prompts = [" ".join(w[: max(1, len(w) // 3)]) for w in words]
+        answers = [" ".join(w[max(1, len(w) // 3):]) + " </s>" for w in words]
+        batch = dict(self.processor(text=prompts, images=[s["images"][0] for s in samples], padding=True,
+                                    return_tensors="pt"))
+        target = self.processor.tokenizer(answers, padding=True, return_tensors="pt", add_special_tokens=False)
+        batch["labels"] = target["input_ids"].masked_fill(target["attention_mask"] == 0, -100)
+        return batch
+
+
+def _florence2(seed: int) -> ZooCase:
+    """Florence-2: a DaViT tower (2 stages of stride 4, 2: a 16x16 image gives 2x2 features + a pooled one, 5 image
+    tokens), a projector with learned position embeddings, a BART encoder-decoder; one image per sample."""
+    import transformers as T
+
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<image>"]
+    tokenizer = word_tokenizer(special, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                               extra_special_tokens={"image_token": "<image>"})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in special}
+    image_processor = T.CLIPImageProcessorPil(size={"height": 16, "width": 16}, do_center_crop=False)
+    image_processor.image_seq_length = 5
+    processor = T.Florence2Processor(image_processor=image_processor, tokenizer=tokenizer)
+    torch.manual_seed(seed)
+    vision = dict(depths=[1, 1], patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
+                  patch_prenorm=[False, True], embed_dim=[16, 32], num_heads=[2, 4], num_groups=[2, 4], window_size=2,
+                  drop_path_rate=0.0, projection_dim=32, max_position_embeddings=8, max_temporal_embeddings=4)
+    text = T.BartConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
+                        max_position_embeddings=64, dropout=0.0, pad_token_id=ids["<pad>"], bos_token_id=ids["<s>"],
+                        eos_token_id=ids["</s>"], decoder_start_token_id=ids["</s>"],
+                        forced_eos_token_id=ids["</s>"])
+    config = T.Florence2Config(vision_config=vision, text_config=text, image_token_id=ids["<image>"])
+    model = T.Florence2ForConditionalGeneration(config)
+    samples = _items(seed, [(16, 16), (24, 16)])
+    for i, sample in enumerate(samples):  # exactly one image per sample
+        sample["images"] = sample["images"][:1] or _rng_images(seed + i, [(16, 16)])
+    return ZooCase("florence2", model, samples, Florence2Collate(processor), image_token_ids=(ids["<image>"],),
+                   notes=["one image per sample; an encoder-decoder: labels are the answer, not the input"])
+
+
 
 def _llava(seed: int) -> ZooCase:
     import transformers as T
@@ -945,6 +994,7 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
     "glm4v": _glm4v,
     "idefics2": _idefics2,
     "fuyu": _fuyu,
+    "florence2": _florence2,
     "llama": _llama,
     "gpt2": _gpt2,
     "gpt2_double_heads": lambda seed: _gpt2(seed, double_heads=True),
@@ -953,7 +1003,8 @@ BUILDERS: dict[str, Callable[[int], ZooCase]] = {
 ZOO = tuple(BUILDERS)
 VLM_CASES = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "paligemma", "mllama", "qwen3_vl",
              "gemma3", "internvl", "llava_onevision", "mistral3", "llava_lora", "instructblip", "aya_vision",
-             "chameleon", "kosmos2", "blip2", "qwen2_5_omni", "phi4_multimodal", "glm4v", "idefics2", "fuyu")
+             "chameleon", "kosmos2", "blip2", "qwen2_5_omni", "phi4_multimodal", "glm4v", "idefics2", "fuyu",
+             "florence2")
 
 
 def build_case(name: str, seed: int = 0) -> ZooCase:
