@@ -28,6 +28,7 @@ import importlib.util
 import logging
 import re
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -259,12 +260,23 @@ def frozen_fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256()
     tensors = [(n, p) for n, p in model.named_parameters() if not p.requires_grad] + list(model.named_buffers())
     for name, tensor in sorted(tensors, key=lambda item: item[0]):
-        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # FSDP2: gathered
-        data = tensor.detach().reshape(-1)
-        digest.update(f"{name}|{data.dtype}|{tuple(tensor.shape)}|".encode())
-        for chunk in data.split(1 << 24):  # 16M elements at a time: a bounded host copy of a device tensor
-            digest.update(chunk.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        with _gathered(tensor):
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # FSDP2: gathered
+            data = tensor.detach().reshape(-1)
+            digest.update(f"{name}|{data.dtype}|{tuple(tensor.shape)}|".encode())
+            for chunk in data.split(1 << 24):  # 16M elements at a time: a bounded host copy of a device tensor
+                digest.update(chunk.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _gathered(tensor: torch.Tensor) -> AbstractContextManager[Any]:
+    """A ZeRO-3 parameter (an empty placeholder per rank) gathered whole for the context, a collective (DeepSpeed's
+    ``GatheredParameters``); any other tensor as it is."""
+    if not hasattr(tensor, "ds_id"):
+        return nullcontext()
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters([tensor])
 
 
 class LoRA(Strategy):
