@@ -10,6 +10,7 @@ outcome each family gets today, so a regression either way fails. Public API onl
 from __future__ import annotations
 
 import copy
+import functools
 import re
 
 import pytest
@@ -78,9 +79,15 @@ def per_document_losses(logits, labels, documents):
     return torch.stack(out)
 
 
+@functools.cache
+def cached_case(name):
+    """Each family built once for this module's tests (they train deep copies, never the case's model)."""
+    return build_case(name)
+
+
 @pytest.mark.parametrize("name", ZOO)
 def test_packing_equals_padding_or_is_refused_before_any_work(name):
-    case = build_case(name)
+    case = cached_case(name)
     samples = case.samples[:N]
     model = copy.deepcopy(case.model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -182,3 +189,51 @@ def test_a_layout_the_model_cannot_take_is_refused_naming_packing():
     with pytest.raises(ValueError, match=r"packing: LlavaForConditionalGeneration fails on packed rows.*image_layout"):
         OptimizedTrainer(copy.deepcopy(case.model), case.samples[:N], spec(image_layout="per_row"),
                          collate_fn=case.collate_fn)
+
+
+# Packing by embeddings: refused where no language model receives merged embeddings, or where measured not exact.
+REFUSED_BY_EMBEDDINGS = {
+    "cnn": r"needs batches with token sequences",
+    # images reach the module that embeds the ids: Chameleon turns them into token ids, Mllama into cross-attention;
+    # Phi-4-multimodal merges them in embed_tokens_extend and runs its decoder layers in the same module
+    "chameleon": r"no module of \w+ receives inputs_embeds made from its token embeddings",
+    "mllama": r"no module of \w+ receives inputs_embeds made from its token embeddings",
+    "phi4_multimodal": r"no module of \w+ receives inputs_embeds made from its token embeddings",
+    # Kosmos-2's text model embeds the ids and adds the image features itself
+    "kosmos2": r"no module of \w+ receives inputs_embeds made from its token embeddings",
+    "florence2": r"Florence2ForConditionalGeneration is an encoder-decoder: its head reads the decoder",
+}
+
+
+def update_error(model, before, reference):
+    names = sorted(reference)
+    update = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    diff = torch.cat([(update[n] + reference[n]).flatten() for n in names]).double().norm()
+    return float(diff / torch.cat([reference[n].flatten() for n in names]).double().norm())
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_packing_by_embeddings_equals_padding_or_is_refused_before_any_work(name):
+    """``packing.level: embeddings``: one SGD step over micro-batches of 2 samples, each packed where its language
+    model receives its embeddings, gives minus the padded gradient; or the trainer refuses before any step."""
+    case = cached_case(name)
+    samples = case.samples[:N]
+    model = copy.deepcopy(case.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        trainer = OptimizedTrainer(model, samples, spec(max_tokens=4096, level="embeddings"), loss_fn=case.loss_fn,
+                                   collate_fn=case.collate_fn)
+    except ValueError as refused:
+        assert name in REFUSED_BY_EMBEDDINGS, f"{name}: {refused}"
+        assert re.search(REFUSED_BY_EMBEDDINGS[name], str(refused)), str(refused)
+        assert "packing.level: embeddings" in str(refused)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        return
+    assert name not in REFUSED_BY_EMBEDDINGS, f"{name} was expected to be refused"
+    packing = next(s for s in trainer.strategies if s.name == "packing").packing
+    calls, rows, padded_rows = packing.calls, packing.rows, packing.padded_rows
+    trainer.fit()
+    assert packing.calls - calls >= N // 2  # every micro-batch (and the probes) ran packed
+    assert packing.rows - rows < packing.padded_rows - padded_rows  # on fewer rows than padded: packing happened
+    error = update_error(model, before, padded_gradient(case, samples))
+    assert error <= TOLERANCE, f"update by embeddings packing off by {error:.2e} of its norm"

@@ -523,6 +523,22 @@ class PackingSpec(Section):
         "images_per_row; flat: [images, ...] in row order (needs micro_batch_size = batch_size)"
     )
     pad_to_max_tokens: bool = Field(False, description="pad every row to max_tokens (static shapes for compile)")
+    level: Literal["ids", "embeddings"] = Field(
+        "ids", description="ids: the loader packs input_ids (each family's image layout must be known); "
+        "embeddings: the loader pads and each micro-batch is packed on the device where the language model "
+        "receives its inputs_embeds (any family whose language model takes them; the model's own image merge runs "
+        "first), and the outputs are unpacked for the head and loss. Both are checked against padding first"
+    )
+
+    @property
+    def packs_ids(self) -> bool:
+        """The loader packs input_ids (``enabled`` at ``level: ids``)."""
+        return self.enabled and self.level == "ids"
+
+    @property
+    def packs_embeddings(self) -> bool:
+        """Each micro-batch is packed at its language model's entry (``enabled`` at ``level: embeddings``)."""
+        return self.enabled and self.level == "embeddings"
 
 
 class TrainSpec(Section):
@@ -609,12 +625,12 @@ class TrainSpec(Section):
             raise ValueError(f"ddp.comm_wrapper '{self.ddp.comm_wrapper}' wraps PowerSGD only: set ddp.comm_hook to "
                              "powersgd or batched_powersgd, or use ddp.comm_hook: fp16/bf16 for plain compression")
         splits = mbs not in (None, self.batch_size) or self.oom.enabled or self.micro_batch_tokens is not None
-        if self.micro_batch_tokens is not None and self.packing.enabled and self.micro_batch_tokens < \
+        if self.micro_batch_tokens is not None and self.packing.packs_ids and self.micro_batch_tokens < \
                 self.packing.max_tokens:
             raise ValueError(f"micro_batch_tokens ({self.micro_batch_tokens}) is below packing.max_tokens "
                              f"({self.packing.max_tokens}): a packed row costs its width; raise micro_batch_tokens to "
                              f"a multiple of {self.packing.max_tokens}")
-        if self.packing.enabled and self.packing.image_layout == "flat" and splits:
+        if self.packing.packs_ids and self.packing.image_layout == "flat" and splits:
             raise ValueError(
                 "packing.image_layout 'flat' puts the batch's images in one tensor that cannot be split into "
                 "micro-batches: set micro_batch_size to batch_size and oom.enabled: false, or use "

@@ -238,15 +238,20 @@ class LanguageModel(nn.Module):
         self.lm_head = nn.Linear(c.text_dim, c.vocab_size, bias=False)
 
     def forward(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None,
-                document_lengths: list[list[int]] | None = None, apply_head: bool = True) -> Tensor:
+                document_lengths: list[list[int]] | None = None, apply_head: bool = True,
+                attention_mask: Tensor | None = None) -> Tensor:
         """Logits [B, T - logits_from, vocab] for positions ``logits_from`` onwards (the normed hidden states
         without ``apply_head``: a chunked loss applies the head itself).
 
-        ``position_ids`` [B, T] that restart at 0 mark packed documents: attention stays inside each.
-        ``document_lengths`` (per row, on the host, from vlmfast's packing collator) describes the same documents
-        without any read from the device.
+        ``position_ids`` [B, T] that restart at 0 mark packed documents: attention stays inside each, and every
+        position gets logits (a document's prefix is not at the row's start). ``document_lengths`` (per row, on
+        the host, from vlmfast's packing collator) describes the same documents without any read from the device.
+        ``attention_mask`` [B, T] is not needed here (right padding under a causal mask never reaches a real
+        token) but says where the padding is to whoever packs these rows (packing by embeddings).
         """
-        hidden = self.hidden_states(inputs_embeds, logits_from, position_ids, document_lengths)
+        del attention_mask
+        hidden = self.hidden_states(inputs_embeds, 0 if position_ids is not None else logits_from, position_ids,
+                                    document_lengths)
         return self.lm_head(hidden) if apply_head else hidden
 
     def hidden_states(self, inputs_embeds: Tensor, logits_from: int = 0, position_ids: Tensor | None = None,
@@ -323,8 +328,8 @@ class TinyVLM(nn.Module):
     ) -> VLMOutput:
         """Logits over the text positions, plus the shifted causal-LM loss when ``labels`` is given.
 
-        ``attention_mask`` is accepted so HF-style batches pass through but is unused: right padding
-        plus the causal mask already keeps real tokens from attending to pads. With
+        ``attention_mask`` is not needed for the result (right padding under the causal mask never reaches a real
+        token); it goes to the language model so that packing by embeddings can find the padding. With
         ``num_items_in_batch`` the loss is ``sum / num_items_in_batch`` (for exact gradient accumulation
         over micro-batches), otherwise the mean over non-ignored shifted labels.
 
@@ -335,7 +340,7 @@ class TinyVLM(nn.Module):
         """
         # Through the language model's own call (not its parts), so hooks on it (phase timer, FLOPs by tower) fire.
         logits = self._language_model(pixel_values, input_ids, position_ids, images_per_row, document_lengths,
-                                      apply_head=True)
+                                      apply_head=True, attention_mask=attention_mask)
         loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return VLMOutput(loss=loss, logits=logits)
 
@@ -348,21 +353,25 @@ class TinyVLM(nn.Module):
                                document_lengths: list[list[int]] | None = None) -> Tensor:
         """The hidden states the head turns into the logits ``forward`` returns (text positions; every position of
         packed rows), so a loss can apply the head itself (``vlmfast.hooks.linear_cross_entropy``)."""
-        del attention_mask  # see forward's docstring
         return self._language_model(pixel_values, input_ids, position_ids, images_per_row, document_lengths,
-                                    apply_head=False)
+                                    apply_head=False, attention_mask=attention_mask)
 
     def _language_model(self, pixel_values: Tensor, input_ids: Tensor, position_ids: Tensor | None,
                         images_per_row: Tensor | None, document_lengths: list[list[int]] | None,
-                        apply_head: bool) -> Tensor:
+                        apply_head: bool, attention_mask: Tensor | None = None) -> Tensor:
         if position_ids is not None:
             inputs_embeds = self._packed_inputs_embeds(pixel_values, input_ids, images_per_row, document_lengths)
             return self.language_model(inputs_embeds, position_ids=position_ids, document_lengths=document_lengths,
-                                       apply_head=apply_head)
+                                       apply_head=apply_head, attention_mask=attention_mask)
         image_embeds = self.get_image_features(pixel_values)
         text_embeds = self.language_model.embed_tokens(input_ids)
         inputs_embeds = torch.cat([image_embeds.to(text_embeds.dtype), text_embeds], dim=1)
-        return self.language_model(inputs_embeds, logits_from=image_embeds.shape[1], apply_head=apply_head)
+        mask = None if attention_mask is None else torch.cat(
+            [attention_mask.new_ones(attention_mask.shape[0], image_embeds.shape[1]), attention_mask], dim=1)
+        out = self.language_model(inputs_embeds, logits_from=image_embeds.shape[1], apply_head=apply_head,
+                                  attention_mask=mask)
+        # The text positions: all it returns, or the last ones when its rows were packed (every position returned)
+        return out[:, -input_ids.shape[1]:]
 
     def _packed_inputs_embeds(self, pixel_values: Tensor, input_ids: Tensor, images_per_row: Tensor | None,
                               document_lengths: list[list[int]] | None = None) -> Tensor:

@@ -40,6 +40,8 @@ class BuildContext:
     world_size: int = 1
     # A few training batches (collated samples, on the device), for strategies that learn from a forward
     probe_batches: Callable[[], Iterable[Any]] | None = None
+    # The first few training samples collated together (padded), on the device; None when none can be spared
+    probe_batch: Callable[[], Any] | None = None
 
 
 def _lora(spec: Any, ctx: BuildContext) -> Strategy | None:
@@ -67,6 +69,14 @@ def _vision_cache(spec: Any, ctx: BuildContext) -> Strategy | None:
     preprocessing = {"device_image_size": data.device_image_size, "image_key": data.image_key,
                      "image_mean": data.image_mean, "image_std": data.image_std} if data.device_image_size else {}
     return VisionCache(spec.vision_cache, preprocessing, ctx.probe_batches)
+
+
+def _embedding_packing(spec: Any, ctx: BuildContext) -> Strategy | None:
+    if not spec.packing.packs_embeddings:
+        return None
+    from vlmfast.strategies.embedding_packing import PackEmbeddings
+
+    return PackEmbeddings(spec.packing, ctx.probe_batch)
 
 
 def _modality_sync(spec: Any, ctx: BuildContext) -> Strategy | None:
@@ -119,6 +129,7 @@ OPTIONAL_STRATEGIES: list[Callable[[Any, BuildContext], Strategy | None]] = [
     _attention,
     _modality_sync,  # before the cache, checkpointing and compile: it learns the plain model's image path
     _vision_cache,  # before checkpointing and compile: they wrap the tower the cache stands in for
+    _embedding_packing,  # after the cache (whose probes run unpacked), before checkpointing, the chunked loss, compile
     _activation_checkpointing,
     _linear_cross_entropy,
     _clipping,
@@ -149,7 +160,7 @@ def build_micro_batching(spec: Any, model: Any = None, *, describe_memory: Calla
     image_tokens = image_token_cost(model) if model is not None else 0
     # Packed rows hold an image's language-model tokens as placeholders; padded rows of a model that prepends them
     # itself (the tiny VLM) do not, so they are added to the rows' lengths.
-    prepended = 0 if spec.packing.enabled or model is None else int(
+    prepended = 0 if spec.packing.packs_ids or model is None else int(
         getattr(unwrap_model(model), "prepended_image_tokens", 0) or 0)
     return TokenBudgetSizer(spec.micro_batch_tokens, max_rows=spec.micro_batch_size, image_tokens=image_tokens,
                             prepended_tokens=prepended, layout=BatchLayout.from_model(model), oom=spec.oom,
