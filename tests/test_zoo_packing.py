@@ -237,3 +237,16 @@ def test_packing_by_embeddings_equals_padding_or_is_refused_before_any_work(name
     assert packing.rows - rows < packing.padded_rows - padded_rows  # on fewer rows than padded: packing happened
     error = update_error(model, before, padded_gradient(case, samples))
     assert error <= TOLERANCE, f"update by embeddings packing off by {error:.2e} of its norm"
+
+
+@pytest.mark.parametrize(("name", "level"),
+                         [("llava", "ids"), ("instructblip", "embeddings"), ("gemma3", "embeddings")])
+def test_packing_level_auto_packs_ids_where_exact_else_embeddings(name, level):
+    """``packing.level: auto``: the loader packs ids where measured exact (LLaVA); InstructBLIP's per-sample
+    Q-Former prompt and Gemma3's bidirectional image attention refuse id-level packing, so embeddings are packed."""
+    case = cached_case(name)
+    trainer = OptimizedTrainer(copy.deepcopy(case.model), case.samples[:N], spec(max_tokens=4096, level="auto"),
+                               collate_fn=case.collate_fn)
+    assert trainer.spec.packing.level == level
+    assert isinstance(trainer.collate_fn, PackingCollator) == (level == "ids")
+    assert any(s.name == "packing" for s in trainer.strategies) == (level == "embeddings")

@@ -523,11 +523,12 @@ class PackingSpec(Section):
         "images_per_row; flat: [images, ...] in row order (needs micro_batch_size = batch_size)"
     )
     pad_to_max_tokens: bool = Field(False, description="pad every row to max_tokens (static shapes for compile)")
-    level: Literal["ids", "embeddings"] = Field(
+    level: Literal["ids", "embeddings", "auto"] = Field(
         "ids", description="ids: the loader packs input_ids (each family's image layout must be known); "
         "embeddings: the loader pads and each micro-batch is packed on the device where the language model "
         "receives its inputs_embeds (any family whose language model takes them; the model's own image merge runs "
-        "first), and the outputs are unpacked for the head and loss. Both are checked against padding first"
+        "first), and the outputs are unpacked for the head and loss; auto: ids where measured exact, else "
+        "embeddings. Each is checked against padding before training"
     )
 
     @property

@@ -87,6 +87,11 @@ def _strategies(device_type: str, quick: bool = False,
         "tf32": ({"tf32": True}, "TF32 matmuls (CUDA)"),
         "sdpa": ({"attention": {"backend": "sdpa"}}, "attention backend: eager -> SDPA"),
         "packing": ({"packing": packing}, f"sequence packing into rows of {packing['max_tokens']} tokens"),
+        # The same rows packed on the device from the padded micro-batch, where the language model takes its
+        # embeddings: any family, at the price of the padded vision / merge work and the gather and scatter.
+        "packing_embeddings": ({"packing": {**packing, "level": "embeddings"}},
+                               f"packing by embeddings (each micro-batch, at the language model) into rows of "
+                               f"{packing['max_tokens']} tokens"),
         # shuffle: the grouped batches in random order (windows sorted by length, batches shuffled); unshuffled,
         # one window holds the whole short epoch and the run trains longest-first, which hurts the loss.
         "group_by_length": ({"data": {"group_by_length": "length", "shuffle": True}},

@@ -167,7 +167,8 @@ def _sample_value(key: str, value: Tensor, kind: str | None, span: slice, t: int
         return value[0, span]
     raise PackingError(f"packing cannot lay out batch key '{key}' (one sample: {tuple(value.shape)}): a per-sample "
                        "value has no layout rule in a packed row, which keeps per-token keys [B, T] and per-image "
-                       "keys (several samples' values would have to share one row); set packing.enabled: false")
+                       "keys (several samples' values would have to share one row); set packing.level: embeddings (or "
+                       "auto: packed after the model's own merge), or packing.enabled: false")
 
 
 @dataclass

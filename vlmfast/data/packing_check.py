@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from vlmfast.data.batch import move_to_device
 from vlmfast.data.packing import PackingCollator, PackingError
 
-__all__ = ["check_packing", "probe_samples"]
+__all__ = ["check_packing", "choose_packing_level", "probe_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ def check_packing(model: nn.Module, samples: Sequence[Any], collate: PackingColl
             f"{what} {error:.1e} away from the padded batch's (tolerance {tolerance:.0e}). Its attention is not "
             "restricted to each document: e.g. a prefix-LM mask over token_type_ids laid over the whole row "
             "(PaliGemma: every document's prefix sees the others'), or a model that ignores position_ids. Training "
-            "would be silently wrong; set packing.enabled: false (data.group_by_length also cuts padding)")
+            "would be silently wrong; set packing.level: embeddings (or auto) to pack where the language model takes "
+            "its embeddings, or packing.enabled: false (data.group_by_length also cuts padding)")
     return error
 
 
@@ -149,3 +150,22 @@ def _difference(outputs: list[Any], padded: Mapping[str, Any], row: list[int],
         worst = max(worst, float((here - logits_padded[i, first[i]: first[i] + lengths[i]].float()).abs().max()))
         start = begin + lengths[i]
     return worst / max(float(logits_padded.float().abs().max()), 1e-12), "logits"
+
+
+def choose_packing_level(model: nn.Module, spec: Any, samples: Sequence[Any],
+                         collate_fn: Callable[[list[Any]], Any] | None, *,
+                         loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> tuple[str, str]:
+    """``packing.level: auto``: ``("ids", "")`` when id-level packing is measured exact on ``samples`` (the loader
+    packs: cheapest), else ``("embeddings", why ids were refused)``; packing by embeddings is then checked itself.
+
+    Usage: ``level, why = choose_packing_level(model, spec.packing, probe_samples(data), collate_fn)``
+    """
+    from vlmfast.data.packing import build_packing_collator
+
+    if not samples:
+        return "embeddings", "no samples to measure id-level packing on"
+    try:
+        check_packing(model, samples, build_packing_collator(spec, model, collate_fn), loss_fn=loss_fn)
+    except PackingError as refused:
+        return "embeddings", str(refused)
+    return "ids", ""

@@ -32,7 +32,7 @@ from vlmfast.data.batch import batch_size_of, count_input_tokens, move_to_device
 from vlmfast.data.fingerprint import describe_changes, fingerprint_changes, map_position
 from vlmfast.data.loader import ResumableLoader
 from vlmfast.data.packing import build_packing_collator, packed_batch_counts
-from vlmfast.data.packing_check import check_packing, probe_samples
+from vlmfast.data.packing_check import check_packing, choose_packing_level, probe_samples
 from vlmfast.data.prefetch import device_batches, host_batch
 from vlmfast.data.rank_balance import CostModel
 from vlmfast.data.sample_checks import SampleCheck
@@ -97,6 +97,8 @@ class OptimizedTrainer:
         self.resharded: dict[str, Any] | None = None  # a resume on another rank count or engine: what changed
         self._say: Callable[[str], None] = _to_stderr  # fit() routes it through its progress bar
 
+        if spec.packing.enabled and spec.packing.level == "auto":
+            self.spec = spec = self._resolve_packing_level(spec, model, loss_fn)
         self.engine = build_engine(spec, self.device, self.world_size)
         self.task: str | None = None  # the `--task` that built the model (the CLI sets it): a plain export records it
         if spec.save.export.dir is not None:
@@ -178,6 +180,16 @@ class OptimizedTrainer:
         collate = self.collate_fn or torch.utils.data.default_collate
         for sample in probe_samples(self.train_data, count=count):
             yield move_to_device(collate([sample]), self.device)
+
+    def _resolve_packing_level(self, spec: TrainSpec, model: nn.Module, loss_fn: LossFn | None) -> TrainSpec:
+        """``packing.level: auto`` made ids or embeddings, measured on the first samples (before any strategy)."""
+        level, why = choose_packing_level(model, spec.packing, probe_samples(self.train_data), self.collate_fn,
+                                          loss_fn=loss_fn)
+        if why:
+            log.info("packing.level auto: embeddings (id-level packing refused: %s)", why)
+        fields = spec.model_dump()
+        fields["packing"]["level"] = level
+        return TrainSpec.model_validate(fields)
 
     def _probe_batch(self, count: int = 4) -> Any:
         """The first ``count`` training samples collated together (padded) by the user's collate_fn, on the device;
