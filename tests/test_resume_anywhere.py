@@ -43,8 +43,8 @@ def _two_rank_cases(root: str, single_run: str) -> dict:
     1 -> 2 ranks, DDP -> FSDP2 and FSDP2 -> DDP continuations from step 2, a LoRA run and the tiny VLM's run with
     packing, rank balance and the token budget (both resumed on one rank by the tests); last (DeepSpeed patches
     torch for the rest of the process) a ZeRO-2 run, resumed on one rank by the test, and the DDP -> ZeRO-3
-    (float32: ZeRO-3 partitions no float64) and FSDP2 -> ZeRO-1 continuations, whose final fp32 masters and Adam
-    state are gathered here with DeepSpeed's accessors (every rank takes part)."""
+    (float32: ZeRO-3 partitions no float64), FSDP2 -> ZeRO-1 and ZeRO-2 -> ZeRO-3 continuations, whose final fp32
+    masters and Adam state are gathered here with DeepSpeed's accessors (every rank takes part)."""
     root_path = Path(root)
     train(root_path / "ddp2", 2)
     train(root_path / "fsdp2", 2, engine="fsdp")
@@ -57,7 +57,8 @@ def _two_rank_cases(root: str, single_run: str) -> dict:
     train(root_path / "zero2", 2, engine="deepspeed", zero_stage=2)  # float64 weights, fp32 masters in DeepSpeed
     into_zero = {}
     for case, stage, source, dtype in (("ddp_to_zero3", 3, "ddp2", torch.float32),
-                                       ("fsdp_to_zero1", 1, "fsdp2", torch.float64)):
+                                       ("fsdp_to_zero1", 1, "fsdp2", torch.float64),
+                                       ("zero2_to_zero3", 3, "zero2", torch.float32)):  # merged, then loaded
         trainer = train(root_path / case, 2, engine="deepspeed", zero_stage=stage, dtype=dtype,
                         resume=str(root_path / source / "step_00000002"))
         into_zero[case] = gather_full_state(trainer.engine.engine, trainer.engine.module)
@@ -106,12 +107,12 @@ def test_two_rank_runs_and_continuations_end_where_one_process_does(runs, case):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ["ddp_to_zero3", "fsdp_to_zero1"])
+@pytest.mark.parametrize("case", ["ddp_to_zero3", "fsdp_to_zero1", "zero2_to_zero3"])
 def test_a_full_state_continues_in_deepspeed_zero_with_its_moments_and_step_counts(runs, case):
-    """A DDP (numbered optimizer state) or FSDP2 (named) checkpoint of step 2 loaded into ZeRO-3 / ZeRO-1 on 2 ranks
-    (vlmfast.engines.zero_load): the fp32 masters, Adam's exp_avg / exp_avg_sq and steps at step 4 are the
-    uninterrupted float64 run's within 1e-6 (measured: ZeRO-3 in float32 ~1e-7, the rounding of float32 itself):
-    moments or steps reset at the resume would be off by far more."""
+    """A DDP (numbered optimizer state), FSDP2 (named) or ZeRO-2 (merged) checkpoint of step 2 loaded into ZeRO-3 /
+    ZeRO-1 / ZeRO-3 on 2 ranks (vlmfast.engines.zero_load): the fp32 masters, Adam's exp_avg / exp_avg_sq and steps
+    at step 4 are the uninterrupted float64 run's within 1e-6 (measured: ZeRO-3 in float32 ~1e-7, the rounding of
+    float32 itself): moments or steps reset at the resume would be off by far more."""
     gathered = torch.load(runs / "cases.0", weights_only=False)["into_zero"][case]
     moments = sorted((float(s["step"]), float(s["exp_avg"].double().norm()), float(s["exp_avg_sq"].double().norm()))
                      for s in gathered["optimizer"]["state"].values())
@@ -176,7 +177,8 @@ def test_impossible_engine_pairs_are_refused_naming_both_sides():
     factored = TrainSpec(batch_size=8, engine="deepspeed", optimizer={"name": "adafactor"})
     assert "engine 'ddp' -> 'deepspeed' (ZeRO-2): optimizer.name 'adafactor'" in state_transfer_refusal(
         {"engine": "ddp"}, 1, factored, 1)
-    assert "on 2 rank(s) -> 1" in state_transfer_refusal({"engine": "deepspeed"}, 2, zero, 1)
+    assert state_transfer_refusal({"engine": "deepspeed"}, 2, zero, 1) is None  # ZeRO-2 shards merged, loaded
+    assert "engine 'deepspeed' (ZeRO-3) on 2 rank(s) -> ZeRO-2 on 1" in state_transfer_refusal(zero3, 2, zero, 1)
 
 
 def test_a_resume_with_another_global_batch_is_refused_before_any_step(runs, tmp_path):

@@ -154,6 +154,12 @@ class Engine:
     def load_shards(self, directory: Path) -> None:
         """Read back what :meth:`save_shards` wrote (all ranks call it)."""
 
+    def reads_shards(self, saved_spec: dict[str, Any], saved_world: int) -> bool:
+        """Whether :meth:`load_shards` reads the shards a run of `saved_spec` on `saved_world` ranks wrote, as they
+        are; else they are merged into the full state first (vlmfast.engines.zero_state) and loaded by
+        :meth:`load_state_dict`."""
+        return False
+
     def describe(self) -> list[str]:
         """Report lines: the engine and its precision."""
         return [self.precision.describe()]

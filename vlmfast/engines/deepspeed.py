@@ -232,6 +232,11 @@ class DeepSpeedEngine(Engine):
         self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False,
                                     exclude_frozen_parameters=trainable_only and self.keeps_trainable_only)
 
+    def reads_shards(self, saved_spec: dict[str, Any], saved_world: int) -> bool:
+        """Its own layout only: the same rank count and ZeRO stage (another one goes through the full state)."""
+        stage = saved_spec.get("deepspeed", {}).get("zero_stage", 2)
+        return (saved_world, stage) == (self.world_size, self.spec.deepspeed.zero_stage)
+
     def load_shards(self, directory: Path) -> None:
         """Restore model, optimizer and precision state from a checkpoint written by :meth:`save_shards` (every
         shard is unpickled weights-only: vlmfast.engines.deepspeed_safe_load)."""

@@ -12,7 +12,8 @@ ZeRO-1/2 checkpoint is merged into that full state (vlmfast.engines.zero_state, 
 it continues on any rank count with another engine. The other way, a full state is loaded into a ZeRO-1/2/3 engine
 through DeepSpeed's own accessors (vlmfast.engines.zero_load), on any rank count. Refused, naming both sides: a
 ZeRO-0/3 checkpoint to another engine, a full state into ZeRO-0 or with a factored optimizer (Adafactor, whose
-state DeepSpeed would compute on flat partitions), a DeepSpeed checkpoint on another DeepSpeed rank count.
+state DeepSpeed would compute on flat partitions), a ZeRO-0/3 checkpoint on another DeepSpeed rank count or stage (a
+ZeRO-1/2 one is merged, then loaded into the new layout).
 
 Usage::
 
@@ -39,19 +40,21 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
     """Why a checkpoint written by the spec `saved` (a dict) on `saved_world` ranks cannot be continued by `spec` on
     `world_size` ranks; None when the state carries over (the global batch is checked apart)."""
     old, new = saved.get("engine", "ddp"), spec.engine
+    stage = saved.get("deepspeed", {}).get("zero_stage", 2)
+    if old == new == "deepspeed" and (saved_world, stage) != (world_size, spec.deepspeed.zero_stage):
+        if stage in CONVERTIBLE_ZERO_STAGES:  # merged into the full state, loaded into the new partitions
+            return _into_zero_refusal(f"engine 'deepspeed' (ZeRO-{stage}, {saved_world} rank(s))", spec)
+        return (f"engine 'deepspeed' (ZeRO-{stage}) on {saved_world} rank(s) -> ZeRO-{spec.deepspeed.zero_stage} on "
+                f"{world_size}: only a ZeRO-1/2 checkpoint (one flat fp32 partition per rank) is merged into the full "
+                f"state another layout loads; ZeRO-{stage}'s is not. Resume on {saved_world} rank(s) with ZeRO-{stage}")
     if old == new and saved_world == world_size:
         return None
     if old in PORTABLE_ENGINES and new in PORTABLE_ENGINES:
         return None
-    stage = saved.get("deepspeed", {}).get("zero_stage", 2)
     if old == "deepspeed" and new in PORTABLE_ENGINES and stage in CONVERTIBLE_ZERO_STAGES:
         return None  # its shards are merged into the full state (vlmfast.engines.zero_state)
     if old in PORTABLE_ENGINES and new == "deepspeed":
-        return _into_zero_refusal(old, spec)
-    if old == new:
-        return (f"engine 'deepspeed' on {saved_world} rank(s) -> {world_size}: DeepSpeed's ZeRO checkpoint is one "
-                "shard per rank in its own layout. Resume on the same number of ranks, or convert the checkpoint to a "
-                "full state with DeepSpeed's zero_to_fp32 and start a new run from those weights")
+        return _into_zero_refusal(f"engine '{old}'", spec)
     if old == "deepspeed":
         return (f"engine 'deepspeed' (ZeRO-{stage}) -> '{new}': only a ZeRO-1/2 checkpoint (one flat fp32 partition "
                 f"per rank) is merged into the full state another engine loads; ZeRO-{stage}'s is not. Resume with "
@@ -60,40 +63,49 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
             f"{old}, or start a new run (save.resume: never) from the model's weights")
 
 
-def _into_zero_refusal(old: str, spec: Any) -> str | None:
-    """Why a full state (one process, DDP, FSDP2) cannot continue exactly under `spec`'s DeepSpeed engine, or None:
-    ZeRO-1/2/3 take it into their flat fp32 partitions (vlmfast.engines.zero_load)."""
+def _into_zero_refusal(source: str, spec: Any) -> str | None:
+    """Why a full state (one process, DDP, FSDP2, or a merged ZeRO-1/2 checkpoint: `source` names it) cannot continue
+    exactly under `spec`'s DeepSpeed engine, or None: ZeRO-1/2/3 take it into their flat fp32 partitions
+    (vlmfast.engines.zero_load)."""
     stage, optimizer = spec.deepspeed.zero_stage, spec.optimizer.name
+    target = f"{source} -> 'deepspeed' (ZeRO-{stage})"
     if stage not in INTO_ZERO_STAGES:
-        return (f"engine '{old}' -> 'deepspeed' (ZeRO-{stage}): only ZeRO-1/2/3 keep flat fp32 partitions a full state "
-                f"is loaded into. Set deepspeed.zero_stage: 1, 2 or 3, or resume with engine: {old}")
+        return (f"{target}: only ZeRO-1/2/3 keep flat fp32 partitions a full state is loaded into. Set "
+                "deepspeed.zero_stage: 1, 2 or 3, or resume as the checkpoint was written")
     if optimizer not in ELEMENTWISE_OPTIMIZERS:
-        return (f"engine '{old}' -> 'deepspeed' (ZeRO-{stage}): optimizer.name '{optimizer}' keeps factored (row / "
-                "column) state per matrix, which DeepSpeed would compute over its flat 1-D partitions instead: the "
-                f"continuation could not be exact. Resume with engine: {old}, or start a new run (save.resume: never)")
+        return (f"{target}: optimizer.name '{optimizer}' keeps factored (row / column) state per matrix, which "
+                "DeepSpeed would compute over its flat 1-D partitions instead: the continuation could not be exact. "
+                "Resume as the checkpoint was written, or start a new run (save.resume: never)")
     return None
 
 
 def transfer_accepts(saved: Mapping[str, Any], spec: Any) -> tuple[str, ...]:
     """The spec fields a resume may change once :func:`state_transfer_refusal` and the global-batch check passed:
     batch_size (the same global batch on another rank count), engine (a pair whose state carries over) and, when
-    the checkpoint leaves DeepSpeed, its ZeRO stage (the shards are merged into the full state)."""
-    moved = saved.get("engine", "ddp") != spec.engine
-    return ("batch_size", "engine", *(("deepspeed.zero_stage",) if moved else ()))
+    the checkpoint leaves DeepSpeed or changes its layout, its ZeRO stage (the shards are merged into the full
+    state, which any stage from 1 to 3 loads)."""
+    through_full_state = saved.get("engine", "ddp") != spec.engine or saved.get("engine") == "deepspeed"
+    return ("batch_size", "engine", *(("deepspeed.zero_stage",) if through_full_state else ()))
 
 
 def describe_transfer(saved: Mapping[str, Any], saved_world: int, spec: Any, world_size: int) -> dict[str, Any] | None:
     """What changed at a resume on another rank count or engine ({"note": text, "world_size", "engine",
     "batch_size", "from_...": ...}); None when nothing did. Usage: in the log, metrics.jsonl and the run report."""
     old_engine, old_batch = saved.get("engine", "ddp"), saved.get("batch_size", spec.batch_size)
-    if (saved_world, old_engine) == (world_size, spec.engine):
+    old_label, new_label = _engine_label(old_engine, saved.get("deepspeed", {})), _engine_label(
+        spec.engine, spec.deepspeed.model_dump())
+    if (saved_world, old_label) == (world_size, new_label):
         return None
-    note = (f"resumed on {world_size} rank(s) x batch_size {spec.batch_size} with engine {spec.engine}, from "
-            f"{saved_world} x {old_batch} with engine {old_engine}: the same global batch of {old_batch * saved_world}")
+    note = (f"resumed on {world_size} rank(s) x batch_size {spec.batch_size} with engine {new_label}, from "
+            f"{saved_world} x {old_batch} with engine {old_label}: the same global batch of {old_batch * saved_world}")
     if saved_world != world_size:
         note += "; each rank's generators re-derived from the seed, the step and the rank"
     return {"note": note, "world_size": world_size, "engine": spec.engine, "batch_size": spec.batch_size,
             "from_world_size": saved_world, "from_engine": old_engine, "from_batch_size": old_batch}
+
+
+def _engine_label(engine: str, deepspeed: Mapping[str, Any]) -> str:
+    return f"{engine} (ZeRO-{deepspeed.get('zero_stage', 2)})" if engine == "deepspeed" else engine
 
 
 def parameter_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:

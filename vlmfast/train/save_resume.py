@@ -65,11 +65,12 @@ def resume_run(engine: Engine, load_state_dict: Callable[[dict[str, Any]], None]
         state = load_checkpoint(path, map_location="cpu")
         if check is not None:
             check(state)
-        if (path / CHECKPOINT_TAG).is_dir() and not engine.writes_shards:  # ZeRO shards, resumed by another engine
-            state["engine"] = full_state_from_zero(path / CHECKPOINT_TAG, trainable_only="frozen" in state)
-        elif (path / CHECKPOINT_TAG).is_dir():
+        saved_world = state.get("trainer", {}).get("world_size", 1)
+        if (path / CHECKPOINT_TAG).is_dir() and engine.reads_shards(state.get("spec", {}), saved_world):
             engine.load_shards(path)
-        # else a full state: any engine loads it in load_state_dict (DeepSpeed into its ZeRO partitions)
+        elif (path / CHECKPOINT_TAG).is_dir():  # ZeRO-1/2 shards for another engine or layout: merged first
+            state["engine"] = full_state_from_zero(path / CHECKPOINT_TAG, trainable_only="frozen" in state)
+        # a full state: any engine loads it in load_state_dict (DeepSpeed into its ZeRO partitions)
         load_state_dict(state)
     except SpecError:
         raise
