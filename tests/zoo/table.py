@@ -4,7 +4,8 @@
 
 Per zoo case, one SGD step (fp32, lr 0.1) of the 8 samples with micro-batches of 8 is the reference; each strategy
 alone gives "exact" (its update within 1e-5 of the reference's norm) or "refused: <the reason vlmfast gave>".
-Packing is compared the same way (one step on the packed rows), the vision cache over two epochs with a frozen
+Packing is compared the same way (one step on the packed rows: ids packed by the loader, or each micro-batch's
+embeddings packed at the language model), the vision cache over two epochs with a frozen
 tower. tests/test_zoo.py and tests/test_zoo_packing.py assert the same verdicts; this script writes them down.
 """
 
@@ -29,7 +30,8 @@ STRATEGIES = {
     "micro-batches of 3": {"micro_batch_size": 3},
     "OOM fallback (8 -> 2)": {"oom": {"enabled": True}},
     "token budget": {"micro_batch_tokens": None},  # 2 x the batch's width: several micro-batches
-    "packing": {"packing": {"enabled": True}},
+    "packing (ids)": {"packing": {"enabled": True}},
+    "packing by embeddings": {"packing": {"enabled": True, "level": "embeddings"}},
     "chunked cross-entropy": {"linear_cross_entropy": {"enabled": True}},
     "activation checkpointing": {"activation_checkpointing": {"enabled": True}},
     "vision cache": {"vision_cache": {"enabled": True}},

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from vlmfast.common.utils import unwrap_model
+from vlmfast.data.batch_layout import BatchLayout
 from vlmfast.data.packed_rows import RowLayout
 from vlmfast.data.packing import Algorithm, PackingError, disable_kv_cache
 from vlmfast.strategies.base import Strategy
@@ -90,9 +91,7 @@ def find_language_model(model: nn.Module, batch: Mapping[str, Any]) -> nn.Module
         for p in frozen:
             p.requires_grad_(True)
         probe.remove()
-    text_only = all(isinstance(v, Tensor) and tuple(v.shape[:2]) == tuple(ids.shape) for v in batch.values()
-                    if isinstance(v, Tensor))
-    found = probe.language_model(text_only)
+    found = probe.language_model()
     if found is None:
         raise _refuse(f"no module of {type(root).__name__} receives inputs_embeds made from its token embeddings and "
                       "produces what its head reads: its images reach the module that embeds the ids (they become "
@@ -144,9 +143,13 @@ class _Probe:
         if self.at_head is None:
             self.at_head = (list(self.running), args[0] if args and isinstance(args[0], Tensor) else None)
 
-    def language_model(self, text_only: bool) -> nn.Module | None:
-        candidates = self.by_embeds or (self.by_ids if text_only else [])
-        return next((m for m in candidates if self._feeds_head(m)), None)
+    def language_model(self) -> nn.Module | None:
+        """The outermost module fed merged embeddings that feeds the head; else the outermost fed the ids."""
+        for candidates in (self.by_embeds, self.by_ids):
+            found = next((m for m in candidates if self._feeds_head(m)), None)
+            if found is not None:
+                return found
+        return None
 
     def _feeds_head(self, module: nn.Module) -> bool:
         if self.head is None or self.at_head is None:
@@ -218,6 +221,7 @@ class EmbeddingPacking:
     padded_slots: int = 0  # batch x length the same calls had padded
     _layouts: list[RowLayout | None] = field(default_factory=list)
     _last: RowLayout | None = None
+    image_token_ids: tuple[int, ...] = ()  # the model's (config), for images that follow their token runs
     _failures: dict[str, str] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
 
@@ -227,6 +231,7 @@ class EmbeddingPacking:
         disable_kv_cache(model)  # a KV cache would be built for nothing, and would turn the packing off
         lm = find_language_model(model, batch)
         self.language_model = lm
+        self.image_token_ids = BatchLayout.from_model(model).image_token_ids
         self._handles = [lm.register_forward_pre_hook(self._pack_inputs, with_kwargs=True),
                          lm.register_forward_hook(self._unpack_outputs, always_call=True)]
         return model
@@ -287,7 +292,7 @@ class EmbeddingPacking:
             return layout.pack(value)
         if _is_plain(value):
             return value
-        return _follow_selection(key, value, named, layout)
+        return _follow_selection(key, value, named, layout, self.image_token_ids)
 
     def _unpack_outputs(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> Any:
         layout = self._layouts.pop() if self._layouts else None
@@ -397,10 +402,17 @@ def _pack_mask_entry(key: str, value: Any, layout: RowLayout) -> Any:
     return _pack_attention_mask(value, layout)
 
 
-def _follow_selection(key: str, value: Any, named: Mapping[str, Any], layout: RowLayout) -> Any:
+def _follow_selection(key: str, value: Any, named: Mapping[str, Any], layout: RowLayout,
+                      image_token_ids: tuple[int, ...] = ()) -> Any:
     """Values listed in the order of a boolean per-token mask (Qwen3-VL's deepstack features under
-    ``visual_pos_masks``) follow their tokens; anything else cannot be laid out and is refused, naming it."""
+    ``visual_pos_masks``), or one per run of image tokens in ``input_ids`` (images that become tokens inside the
+    call: Chameleon's ``pixel_values``), follow their tokens; anything else cannot be laid out and is refused,
+    naming it. (A count that does not match fails the forward, and the check refuses.)"""
     masks = [v for v in named.values() if layout.is_per_token(v) and v.dim() == 2 and v.dtype == torch.bool]
+    ids = named.get("input_ids")
+    if not masks and image_token_ids and layout.is_per_token(ids):
+        is_image = torch.isin(ids, torch.tensor(image_token_ids, device=ids.device))
+        masks = [is_image & ~torch.nn.functional.pad(is_image[:, :-1], (1, 0))]  # where each image's run starts
     tensors = list(value) if isinstance(value, (list, tuple)) else [value]
     if len(masks) == 1 and tensors and all(isinstance(t, Tensor) and t.dim() >= 1 for t in tensors):
         moved = [layout.pack_selected(masks[0], t) for t in tensors]
