@@ -22,18 +22,19 @@ GLOBAL_BATCH, STEPS = 8, 4
 
 
 def spec(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never", lora: bool = False,
-         zero_stage: int = 2) -> TrainSpec:
-    return TrainSpec(max_steps=STEPS, batch_size=GLOBAL_BATCH // world_size, engine=engine, seed=0,
+         zero_stage: int = 2, steps: int = STEPS) -> TrainSpec:
+    return TrainSpec(max_steps=steps, batch_size=GLOBAL_BATCH // world_size, engine=engine, seed=0,
                      optimizer={"lr": 1e-2}, log={"progress": "off", "dir": str(directory / "log")},
                      save={"dir": str(directory), "every_steps": 2, "resume": resume},
                      lora={"enabled": lora, "r": 4}, deepspeed={"zero_stage": zero_stage})
 
 
 def train(directory: Path, world_size: int, engine: str = "ddp", resume: str = "never",
-          lora: bool = False, zero_stage: int = 2, dtype: torch.dtype = torch.float64) -> OptimizedTrainer:
+          lora: bool = False, zero_stage: int = 2, dtype: torch.dtype = torch.float64,
+          steps: int = STEPS) -> OptimizedTrainer:
     torch.manual_seed(0)  # the same initial weights on every rank and in every run
     trainer = OptimizedTrainer(TinyCausalLM().to(dtype), TokenDataset(64),
-                               spec(directory, world_size, engine, resume, lora, zero_stage))
+                               spec(directory, world_size, engine, resume, lora, zero_stage, steps))
     trainer.fit_result = trainer.fit()
     return trainer
 
@@ -65,10 +66,13 @@ def _two_rank_cases(root: str, single_run: str) -> dict:
     return {"resharded": resharded.resharded, "into_zero": into_zero, "vlm": vlm_case}
 
 
-def final_state(directory: Path) -> tuple[dict[str, torch.Tensor], list[tuple[float, float, float]]]:
-    """The step-4 checkpoint's weights, and Adam's per-parameter (step, |exp_avg|, |exp_avg_sq|), sorted: the same
-    whether the optimizer state numbers its parameters (one process, DDP) or names them (FSDP2)."""
-    state = load_checkpoint(directory / f"step_{STEPS:08d}")["engine"]
+Moments = list[tuple[float, float, float]]
+
+
+def final_state(directory: Path, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], Moments]:
+    """The last (step-4) checkpoint's weights, and Adam's per-parameter (step, |exp_avg|, |exp_avg_sq|), sorted: the
+    same whether the optimizer state numbers its parameters (one process, DDP) or names them (FSDP2)."""
+    state = load_checkpoint(directory / f"step_{steps:08d}")["engine"]
     moments = sorted((float(s["step"]), float(s["exp_avg"].norm()), float(s["exp_avg_sq"].norm()))
                      for s in state["optimizer"]["state"].values())
     return state["model"], moments
@@ -78,14 +82,14 @@ def assert_same_run(actual: Path, expected: Path) -> None:
     assert_same_state(actual.name, *final_state(actual), expected)
 
 
-def assert_same_state(label: str, weights: dict[str, torch.Tensor], moments: list[tuple[float, float, float]],
-                      expected: Path) -> None:
-    reference, reference_moments = final_state(expected)
+def assert_same_state(label: str, weights: dict[str, torch.Tensor], moments: Moments,
+                      expected: Path, steps: int = STEPS) -> None:
+    reference, reference_moments = final_state(expected, steps)
     assert weights.keys() == reference.keys()
     difference = torch.cat([(weights[k].double() - reference[k].double()).flatten() for k in reference]).norm()
     scale = torch.cat([reference[k].double().flatten() for k in reference]).norm()
     assert difference <= 1e-6 * scale, f"{label}: weights off by {difference / scale:.2e} of their norm"
-    assert [m[0] for m in moments] == [m[0] for m in reference_moments] == [float(STEPS)] * len(moments)
+    assert [m[0] for m in moments] == [m[0] for m in reference_moments] == [float(steps)] * len(moments)
     flat = [value for moment in moments for value in moment[1:]]
     assert flat == pytest.approx([v for m in reference_moments for v in m[1:]], rel=1e-6), \
         f"{label}: Adam's moments differ"
@@ -117,6 +121,18 @@ def test_a_full_state_continues_in_deepspeed_zero_with_its_moments_and_step_coun
     moments = sorted((float(s["step"]), float(s["exp_avg"].double().norm()), float(s["exp_avg_sq"].double().norm()))
                      for s in gathered["optimizer"]["state"].values())
     assert_same_state(case, gathered["model"], moments, runs / "single")
+
+
+@pytest.mark.timeout(600)
+def test_a_zero3_checkpoint_of_two_ranks_continues_on_one_ddp_rank(runs, tmp_path):
+    """ZeRO-3's shards (each parameter cut into padded slices per rank, Adam's flat state over them per sub-group)
+    merged with DeepSpeed's zero_to_fp32._zero3_merge_trainable_params: the step-4 state of the DDP -> ZeRO-3 run
+    (float32) continued on one float64 DDP rank to step 6 ends within 1e-6 of the uninterrupted 6-step run."""
+    train(tmp_path / "single", 1, steps=6)
+    trainer = train(tmp_path / "resumed", 1, steps=6, resume=str(runs / "ddp_to_zero3" / f"step_{STEPS:08d}"))
+    assert trainer.resharded["from_engine"] == "deepspeed" and trainer.fit_result.history[0]["step"] == STEPS + 1
+    weights, moments = final_state(tmp_path / "resumed", 6)
+    assert_same_state("zero3_to_ddp", weights, moments, tmp_path / "single", 6)
 
 
 @pytest.mark.timeout(600)
@@ -169,16 +185,17 @@ def test_impossible_engine_pairs_are_refused_naming_both_sides():
     ddp, zero = TrainSpec(batch_size=8), TrainSpec(batch_size=8, engine="deepspeed")
     assert state_transfer_refusal({"engine": "ddp"}, 2, TrainSpec(batch_size=4, engine="fsdp"), 2) is None
     assert state_transfer_refusal({"engine": "deepspeed", "deepspeed": {"zero_stage": 1}}, 2, ddp, 1) is None
-    zero3 = {"engine": "deepspeed", "deepspeed": {"zero_stage": 3}}
-    assert "engine 'deepspeed' (ZeRO-3) -> 'ddp'" in state_transfer_refusal(zero3, 1, ddp, 1)
+    zero0 = {"engine": "deepspeed", "deepspeed": {"zero_stage": 0}}
+    assert "engine 'deepspeed' (ZeRO-0) -> 'ddp'" in state_transfer_refusal(zero0, 1, ddp, 1)
+    assert state_transfer_refusal({"engine": "deepspeed", "deepspeed": {"zero_stage": 3}}, 2, ddp, 1) is None
     assert state_transfer_refusal({"engine": "ddp"}, 1, zero, 2) is None  # into ZeRO-1/2/3: vlmfast.engines.zero_load
-    zero0 = TrainSpec(batch_size=8, engine="deepspeed", deepspeed={"zero_stage": 0})
-    assert "engine 'fsdp' -> 'deepspeed' (ZeRO-0)" in state_transfer_refusal({"engine": "fsdp"}, 1, zero0, 1)
+    into_zero0 = TrainSpec(batch_size=8, engine="deepspeed", deepspeed={"zero_stage": 0})
+    assert "engine 'fsdp' -> 'deepspeed' (ZeRO-0)" in state_transfer_refusal({"engine": "fsdp"}, 1, into_zero0, 1)
     factored = TrainSpec(batch_size=8, engine="deepspeed", optimizer={"name": "adafactor"})
     assert "engine 'ddp' -> 'deepspeed' (ZeRO-2): optimizer.name 'adafactor'" in state_transfer_refusal(
         {"engine": "ddp"}, 1, factored, 1)
     assert state_transfer_refusal({"engine": "deepspeed"}, 2, zero, 1) is None  # ZeRO-2 shards merged, loaded
-    assert "engine 'deepspeed' (ZeRO-3) on 2 rank(s) -> ZeRO-2 on 1" in state_transfer_refusal(zero3, 2, zero, 1)
+    assert "engine 'deepspeed' (ZeRO-0) on 2 rank(s) -> ZeRO-2 on 1" in state_transfer_refusal(zero0, 2, zero, 1)
 
 
 def test_a_resume_with_another_global_batch_is_refused_before_any_step(runs, tmp_path):

@@ -8,12 +8,12 @@ param groups, torch's distributed-checkpoint API names them (``torch/distributed
 same factory over the same named parameters, so number k is the k-th parameter of the loading optimizer's groups:
 :func:`optimizer_state_by_name` and :func:`optimizer_state_by_index` translate, and any engine of the three loads what
 any other wrote. DeepSpeed writes per-rank ZeRO shards of its own (fp32 partitions, its own optimizer layout): a
-ZeRO-1/2 checkpoint is merged into that full state (vlmfast.engines.zero_state, DeepSpeed's zero_to_fp32 merge), so
-it continues on any rank count with another engine. The other way, a full state is loaded into a ZeRO-1/2/3 engine
+ZeRO-1/2/3 checkpoint is merged into that full state (vlmfast.engines.zero_state, DeepSpeed's zero_to_fp32 merge),
+so it continues on any rank count with another engine. The other way, a full state is loaded into a ZeRO-1/2/3 engine
 through DeepSpeed's own accessors (vlmfast.engines.zero_load), on any rank count. Refused, naming both sides: a
-ZeRO-0/3 checkpoint to another engine, a full state into ZeRO-0 or with a factored optimizer (Adafactor, whose
-state DeepSpeed would compute on flat partitions), a ZeRO-0/3 checkpoint on another DeepSpeed rank count or stage (a
-ZeRO-1/2 one is merged, then loaded into the new layout).
+ZeRO-0 checkpoint to another engine or layout, a full state into ZeRO-0 or with a factored optimizer (Adafactor,
+whose state DeepSpeed would compute on flat partitions). A ZeRO-1/2/3 checkpoint on another DeepSpeed rank count or
+stage is merged, then loaded into the new layout.
 
 Usage::
 
@@ -45,7 +45,7 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
         if stage in CONVERTIBLE_ZERO_STAGES:  # merged into the full state, loaded into the new partitions
             return _into_zero_refusal(f"engine 'deepspeed' (ZeRO-{stage}, {saved_world} rank(s))", spec)
         return (f"engine 'deepspeed' (ZeRO-{stage}) on {saved_world} rank(s) -> ZeRO-{spec.deepspeed.zero_stage} on "
-                f"{world_size}: only a ZeRO-1/2 checkpoint (one flat fp32 partition per rank) is merged into the full "
+                f"{world_size}: only a ZeRO-1/2/3 checkpoint (flat fp32 partitions per rank) is merged into the full "
                 f"state another layout loads; ZeRO-{stage}'s is not. Resume on {saved_world} rank(s) with ZeRO-{stage}")
     if old == new and saved_world == world_size:
         return None
@@ -56,7 +56,7 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
     if old in PORTABLE_ENGINES and new == "deepspeed":
         return _into_zero_refusal(f"engine '{old}'", spec)
     if old == "deepspeed":
-        return (f"engine 'deepspeed' (ZeRO-{stage}) -> '{new}': only a ZeRO-1/2 checkpoint (one flat fp32 partition "
+        return (f"engine 'deepspeed' (ZeRO-{stage}) -> '{new}': only a ZeRO-1/2/3 checkpoint (flat fp32 partitions "
                 f"per rank) is merged into the full state another engine loads; ZeRO-{stage}'s is not. Resume with "
                 "engine: deepspeed, or start a new run (save.resume: never) from the model's weights")
     return (f"engine '{old}' -> '{new}': neither engine's state carries over to the other. Resume with engine: "

@@ -1,5 +1,5 @@
-"""A DeepSpeed ZeRO-1/2 checkpoint as the full state the other engines load (issue 37: ZeRO-2 -> DDP / one process /
-FSDP2, on any rank count).
+"""A DeepSpeed ZeRO-1/2/3 checkpoint as the full state the other engines load (issue 37: ZeRO-2 -> DDP / one process /
+FSDP2, on any rank count; ZeRO-3 the same way, :func:`_full_state_from_zero3`).
 
 A ZeRO-1/2 checkpoint (``vlmfast.engines.deepspeed.DeepSpeedEngine.save_shards``, DeepSpeed 0.19.8) is one
 ``mp_rank_00_model_states.pt`` (the module's state, ``param_shapes``: the names and shapes of each optimizer group's
@@ -35,24 +35,26 @@ import torch
 
 from vlmfast.engines.deepspeed_safe_load import load_weights_only
 
-CONVERTIBLE_ZERO_STAGES = (1, 2)  # one flat fp32 partition per rank and group (stage_1_and_2.py)
+CONVERTIBLE_ZERO_STAGES = (1, 2, 3)  # flat fp32 partitions per rank: stage_1_and_2.py's, stage3.py's
 
 
 def full_state_from_zero(folder: str | Path, trainable_only: bool = False) -> dict[str, Any]:
-    """The engine state ({"model", "optimizer"}) a single-process, DDP or FSDP2 engine loads, from the ZeRO-1/2
+    """The engine state ({"model", "optimizer"}) a single-process, DDP or FSDP2 engine loads, from the ZeRO-1/2/3
     checkpoint in `folder` (a step folder's ``deepspeed`` sub-folder); `trainable_only`: a LoRA checkpoint (the
     module state lacks the frozen base)."""
     from deepspeed.utils.zero_to_fp32 import get_model_state_file, get_optim_files
 
     folder = Path(folder)
-    module_state = load_weights_only(get_model_state_file(str(folder), 2))
     shards = [load_weights_only(file)["optimizer_state_dict"] for file in get_optim_files(str(folder))]
     stage = int(shards[0].get("zero_stage", 0))
     partitions = shards[0]["partition_count"]
     world = max(partitions) if isinstance(partitions, list) else partitions
     if stage not in CONVERTIBLE_ZERO_STAGES or world != len(shards):
         raise ValueError(f"{folder}: a ZeRO-{stage} checkpoint of {world} rank(s) with {len(shards)} optimizer "
-                         "shard(s): only a complete ZeRO-1/2 checkpoint converts to a full state")
+                         "shard(s): only a complete ZeRO-1/2/3 checkpoint converts to a full state")
+    if stage == 3:
+        return _full_state_from_zero3(folder, shards, trainable_only)
+    module_state = load_weights_only(get_model_state_file(str(folder), 2))
     param_shapes = module_state["param_shapes"]
     paddings = shards[0].get("param_alignment_paddings")
     # buffers and frozen weights as the module holds them (its dtype); the trainable ones from the fp32 masters
@@ -109,3 +111,55 @@ def _lean_group_states(shard: Mapping[str, Any]) -> list[dict[str, Any]]:
     base, padding = shard["base_optimizer_state"], shard["group_paddings"]
     return [{key: value[:value.numel() - padding[group]] if torch.is_tensor(value) and value.dim() > 0 else value
              for key, value in base["state"][group].items()} for group in range(len(base["param_groups"]))]
+
+
+def _full_state_from_zero3(folder: Path, shards: list[Mapping[str, Any]], trainable_only: bool) -> dict[str, Any]:
+    """A ZeRO-3 checkpoint's full state: one model-state file per rank (buffers, ``param_shapes``, the frozen
+    parameters' fragments) and per rank the flat fp32 partitions of each sub-group (``fp32_flat_groups``, every
+    parameter cut into equal padded slices: ``stage3.py`` ``_rigid_state_dict``) with the wrapped Adam's state over
+    them (keyed by sub-group). DeepSpeed's ``zero_to_fp32._zero3_merge_trainable_params`` zips each parameter back
+    from the ranks' slices (``_zero3_merge_frozen_params`` the frozen ones); ``exp_avg`` / ``exp_avg_sq`` lie as the
+    weights do, so the same function rebuilds them; each sub-group's one step is copied to its parameters."""
+    from deepspeed.utils.zero_to_fp32 import _zero3_merge_frozen_params, get_model_state_files, zero_model_state
+
+    states = [load_weights_only(file) for file in get_model_state_files(str(folder))]
+    models = [zero_model_state(buffers={k: v for k, v in m["module"].items() if k in m["buffer_names"]},
+                               param_shapes=m["param_shapes"], shared_params=list(m["shared_params"].items()),
+                               ds_version=m.get("ds_version"), frozen_param_shapes=m.get("frozen_param_shapes"),
+                               frozen_param_fragments=m.get("frozen_param_fragments")) for m in states]
+    model: dict[str, Any] = OrderedDict((name, value.detach()) for name, value in models[0].buffers.items())
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a summary line
+        _zero3_merge_frozen_params(model, len(shards), models)
+    model.update(_merge3([shard["fp32_flat_groups"] for shard in shards], models))
+    for alias, source in models[0].shared_params:  # tied weights, as zero_to_fp32 does
+        if source in model:
+            model[alias] = model[source]
+    per_rank = [shard["optimizer_state_dict"]["state"] for shard in shards]  # [rank][sub-group] -> {key: flat}
+    sub_groups = sorted(per_rank[0])
+    first = per_rank[0][sub_groups[0]]
+    keys = [key for key, value in first.items() if torch.is_tensor(value) and value.dim() > 0]
+    merged = {key: _merge3([[ranks[g][key] for g in sub_groups] for ranks in per_rank], models) for key in keys}
+    param_shapes = models[0].param_shapes
+    state = {name: {**{key: merged[key][name] for key in keys},
+                    **{key: _copy(value) for key, value in per_rank[0][g].items() if key not in keys}}
+             for g, shapes in zip(sub_groups, param_shapes, strict=True) for name in shapes}
+    saved_groups = shards[0]["optimizer_state_dict"]["param_groups"]  # params: sub-group numbers
+    groups = [{**group, "params": [name for g in group["params"] for name in param_shapes[g]]}
+              for group in saved_groups]
+    return {"model": model, "optimizer": {"state": state, "param_groups": groups},
+            **({"trainable_only": True} if trainable_only else {})}
+
+
+def _merge3(flat_per_rank: list[list[torch.Tensor]], models: list[Any]) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's tensor from the ranks' flat per-sub-group ZeRO-3 slices (DeepSpeed's own)."""
+    from deepspeed.utils.zero_to_fp32 import _zero3_merge_trainable_params
+
+    merged: dict[str, Any] = OrderedDict()
+    with contextlib.redirect_stdout(io.StringIO()), _quiet_progress():
+        _zero3_merge_trainable_params(merged, len(flat_per_rank), flat_per_rank, models)
+    return {name: tensor.contiguous().detach().clone() for name, tensor in merged.items()}
+
+
+def _quiet_progress() -> contextlib.AbstractContextManager[Any]:
+    """zero_to_fp32 wraps its loop in tqdm (to stderr): silenced."""
+    return contextlib.redirect_stderr(io.StringIO())
