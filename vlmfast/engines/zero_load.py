@@ -34,6 +34,8 @@ from torch import nn
 
 from vlmfast.engines.portable_state import is_named, name_optimizer_state
 
+KERNEL_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")  # not carried from another engine
+
 
 def load_full_state(ds_engine: Any, module: nn.Module, client_optimizer: torch.optim.Optimizer,
                     state: Mapping[str, Any], parameter_names: Sequence[str]) -> None:
@@ -54,6 +56,7 @@ def load_full_state(ds_engine: Any, module: nn.Module, client_optimizer: torch.o
                                       **{key: torch.zeros_like(flat) for key in keys}}
     link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)  # ZeRO-1/2: each fragment's state views
     if link is not None:
+        zero._hp_optimizer_states_linked = False  # link the state just created (done once, after the first step)
         link()
     for name, param in module.named_parameters():
         if param.requires_grad:
@@ -61,7 +64,8 @@ def load_full_state(ds_engine: Any, module: nn.Module, client_optimizer: torch.o
             for key in keys:
                 _set_moment(param, per_param[name][key], key)
     for group, saved in zip(client_optimizer.param_groups, optimizer_state["param_groups"], strict=True):
-        group.update({key: value for key, value in saved.items() if key != "params"})  # lr as the schedule left it
+        # the hyper-parameters (the lr the schedule left); the kernel stays this optimizer's own
+        group.update({key: value for key, value in saved.items() if key not in KERNEL_KEYS})
 
 
 def gather_full_state(ds_engine: Any, module: nn.Module) -> dict[str, Any]:
