@@ -209,9 +209,10 @@ class DeepSpeedEngine(Engine):
 
     @property
     def keeps_trainable_only(self) -> bool:
-        """ZeRO-0/1/2: a LoRA checkpoint holds no frozen parameter (save_shards). ZeRO-3: the whole state, because the
-        frozen base's fingerprint (vlmfast.strategies.lora.frozen_fingerprint) reads the module's tensors, which are
-        then each rank's empty placeholders: a changed base would go unnoticed."""
+        """ZeRO-0/1/2: a LoRA checkpoint holds no frozen parameter (save_shards). ZeRO-3: the whole state (its frozen
+        fragments). The frozen base's fingerprint (vlmfast.strategies.lora.frozen_fingerprint) now gathers ZeRO-3's
+        placeholders, so a trainable-only ZeRO-3 checkpoint could be checked too; DeepSpeed's
+        exclude_frozen_parameters under ZeRO-3 is not tried here yet."""
         return not self.shards_parameters
 
     def state_dict(self, trainable_only: bool = False) -> dict[str, Any]:
