@@ -16,6 +16,7 @@ from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.checkpoints.store import load_checkpoint
 from vlmfast.engines.portable_state import state_transfer_refusal
 from vlmfast.engines.zero_load import gather_full_state
+from vlmfast.engines.zero_state import full_state_from_zero
 from vlmfast.spec import SpecError
 
 GLOBAL_BATCH, STEPS = 8, 4
@@ -44,8 +45,8 @@ def _two_rank_cases(root: str, single_run: str) -> dict:
     1 -> 2 ranks, DDP -> FSDP2 and FSDP2 -> DDP continuations from step 2, a LoRA run and the tiny VLM's run with
     packing, rank balance and the token budget (both resumed on one rank by the tests); last (DeepSpeed patches
     torch for the rest of the process) a ZeRO-2 run, resumed on one rank by the test, and the DDP -> ZeRO-3
-    (float32: ZeRO-3 partitions no float64) and ZeRO-2 -> ZeRO-1 continuations, whose final fp32 masters and Adam
-    state are gathered here with DeepSpeed's accessors (every rank takes part)."""
+    (float32: ZeRO-3 partitions no float64), ZeRO-2 -> ZeRO-1 and FSDP2 -> ZeRO-0 (fp32) continuations; ZeRO-1/3's
+    final fp32 masters and Adam state are gathered here with DeepSpeed's accessors (every rank takes part)."""
     root_path = Path(root)
     train(root_path / "ddp2", 2)
     train(root_path / "fsdp2", 2, engine="fsdp")
@@ -58,10 +59,12 @@ def _two_rank_cases(root: str, single_run: str) -> dict:
     train(root_path / "zero2", 2, engine="deepspeed", zero_stage=2)  # float64 weights, fp32 masters in DeepSpeed
     into_zero = {}
     for case, stage, source, dtype in (("ddp_to_zero3", 3, "ddp2", torch.float32),  # a numbered optimizer state
-                                       ("zero2_to_zero1", 1, "zero2", torch.float64)):  # merged (named), then loaded
+                                       ("zero2_to_zero1", 1, "zero2", torch.float64),  # merged (named), then loaded
+                                       ("fsdp_to_zero0", 0, "fsdp2", torch.float32)):  # ZeRO-0 reduces no float64
         trainer = train(root_path / case, 2, engine="deepspeed", zero_stage=stage, dtype=dtype,
                         resume=str(root_path / source / "step_00000002"))
-        into_zero[case] = gather_full_state(trainer.engine.engine, trainer.engine.module)
+        if stage:  # ZeRO-0 has no partitions: its step-4 checkpoint is read by the test
+            into_zero[case] = gather_full_state(trainer.engine.engine, trainer.engine.module)
     return {"resharded": resharded.resharded, "into_zero": into_zero, "vlm": vlm_case}
 
 
@@ -120,6 +123,16 @@ def test_a_full_state_continues_in_deepspeed_zero_with_its_moments_and_step_coun
     moments = sorted((float(s["step"]), float(s["exp_avg"].double().norm()), float(s["exp_avg_sq"].double().norm()))
                      for s in gathered["optimizer"]["state"].values())
     assert_same_state(case, gathered["model"], moments, runs / "single")
+
+
+def test_zero0_in_fp32_takes_a_full_state_and_gives_one_back(runs):
+    """FSDP2 (named optimizer state) -> ZeRO-0 in fp32 on 2 ranks (DeepSpeed steps vlmfast's own optimizer: loaded as
+    DDP loads it); its step-4 checkpoint read back as the full state another engine loads (the module and the
+    optimizer state DeepSpeed saved beside it) is the uninterrupted float64 run's within 1e-6."""
+    state = full_state_from_zero(runs / "fsdp_to_zero0" / f"step_{STEPS:08d}" / "deepspeed")
+    moments = sorted((float(s["step"]), float(s["exp_avg"].double().norm()), float(s["exp_avg_sq"].double().norm()))
+                     for s in state["optimizer"]["state"].values())
+    assert_same_state("fsdp_to_zero0", state["model"], moments, runs / "single")
 
 
 @pytest.mark.timeout(600)
@@ -184,12 +197,15 @@ def test_impossible_engine_pairs_are_refused_naming_both_sides():
     ddp, zero = TrainSpec(batch_size=8), TrainSpec(batch_size=8, engine="deepspeed")
     assert state_transfer_refusal({"engine": "ddp"}, 2, TrainSpec(batch_size=4, engine="fsdp"), 2) is None
     assert state_transfer_refusal({"engine": "deepspeed", "deepspeed": {"zero_stage": 1}}, 2, ddp, 1) is None
-    zero0 = {"engine": "deepspeed", "deepspeed": {"zero_stage": 0}}
-    assert "engine 'deepspeed' (ZeRO-0) -> 'ddp'" in state_transfer_refusal(zero0, 1, ddp, 1)
+    zero0 = {"engine": "deepspeed", "deepspeed": {"zero_stage": 0}, "precision": "bf16"}  # DeepSpeed's bf16 wrapper
+    assert "engine 'deepspeed' (ZeRO-0, precision bf16) -> 'ddp'" in state_transfer_refusal(zero0, 1, ddp, 1)
+    assert state_transfer_refusal({**zero0, "precision": "fp32"}, 1, ddp, 1) is None
     assert state_transfer_refusal({"engine": "deepspeed", "deepspeed": {"zero_stage": 3}}, 2, ddp, 1) is None
     assert state_transfer_refusal({"engine": "ddp"}, 1, zero, 2) is None  # into ZeRO-1/2/3: vlmfast.engines.zero_load
-    into_zero0 = TrainSpec(batch_size=8, engine="deepspeed", deepspeed={"zero_stage": 0})
-    assert "engine 'fsdp' -> 'deepspeed' (ZeRO-0)" in state_transfer_refusal({"engine": "fsdp"}, 1, into_zero0, 1)
+    into_zero0 = TrainSpec(batch_size=8, engine="deepspeed", deepspeed={"zero_stage": 0}, precision="bf16")
+    assert "engine 'fsdp' -> 'deepspeed' (ZeRO-0) with precision bf16" in state_transfer_refusal(
+        {"engine": "fsdp"}, 1, into_zero0, 1)
+    assert state_transfer_refusal({"engine": "fsdp"}, 1, into_zero0.model_copy(update={"precision": "fp32"}), 1) is None
     factored = TrainSpec(batch_size=8, engine="deepspeed", optimizer={"name": "adafactor"})
     assert "engine 'ddp' -> 'deepspeed' (ZeRO-2): optimizer.name 'adafactor'" in state_transfer_refusal(
         {"engine": "ddp"}, 1, factored, 1)

@@ -221,7 +221,9 @@ class DeepSpeedEngine(Engine):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A full state another engine wrote (one process, DDP, FSDP2: "model" and "optimizer") goes into the ZeRO
         partitions (vlmfast.engines.zero_load); DeepSpeed's own checkpoint is restored by :meth:`load_shards`."""
-        if "model" in state:
+        if "model" in state and self.engine.optimizer is self.optimizer:  # ZeRO-0 in fp32: no wrapper
+            super().load_state_dict(state)  # the module and vlmfast's own optimizer, as DDP loads them
+        elif "model" in state:
             load_full_state(self.engine, self.module, self.optimizer, state, self.parameter_names)
 
     def save_shards(self, directory: Path, trainable_only: bool = False) -> None:

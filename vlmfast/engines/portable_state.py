@@ -42,7 +42,7 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
     old, new = saved.get("engine", "ddp"), spec.engine
     stage = saved.get("deepspeed", {}).get("zero_stage", 2)
     if old == new == "deepspeed" and (saved_world, stage) != (world_size, spec.deepspeed.zero_stage):
-        if stage in CONVERTIBLE_ZERO_STAGES:  # merged into the full state, loaded into the new partitions
+        if _leaves_zero(saved):  # merged into the full state, loaded into the new partitions
             return _into_zero_refusal(f"engine 'deepspeed' (ZeRO-{stage}, {saved_world} rank(s))", spec)
         return (f"engine 'deepspeed' (ZeRO-{stage}) on {saved_world} rank(s) -> ZeRO-{spec.deepspeed.zero_stage} on "
                 f"{world_size}: only a ZeRO-1/2/3 checkpoint (flat fp32 partitions per rank) is merged into the full "
@@ -51,10 +51,14 @@ def state_transfer_refusal(saved: Mapping[str, Any], saved_world: int, spec: Any
         return None
     if old in PORTABLE_ENGINES and new in PORTABLE_ENGINES:
         return None
-    if old == "deepspeed" and new in PORTABLE_ENGINES and stage in CONVERTIBLE_ZERO_STAGES:
+    if old == "deepspeed" and new in PORTABLE_ENGINES and _leaves_zero(saved):
         return None  # its shards are merged into the full state (vlmfast.engines.zero_state)
     if old in PORTABLE_ENGINES and new == "deepspeed":
         return _into_zero_refusal(f"engine '{old}'", spec)
+    if old == "deepspeed" and stage == 0:
+        return (f"engine 'deepspeed' (ZeRO-0, precision {saved.get('precision')}) -> '{new}': DeepSpeed wraps the "
+                "optimizer in its own bf16 / fp16 optimizer there, whose state vlmfast does not convert (ZeRO-0 in "
+                "fp32 and ZeRO-1/2/3 in any precision do). Resume with engine: deepspeed, or start a new run")
     if old == "deepspeed":
         return (f"engine 'deepspeed' (ZeRO-{stage}) -> '{new}': only a ZeRO-1/2/3 checkpoint (flat fp32 partitions "
                 f"per rank) is merged into the full state another engine loads; ZeRO-{stage}'s is not. Resume with "
@@ -69,14 +73,24 @@ def _into_zero_refusal(source: str, spec: Any) -> str | None:
     (vlmfast.engines.zero_load)."""
     stage, optimizer = spec.deepspeed.zero_stage, spec.optimizer.name
     target = f"{source} -> 'deepspeed' (ZeRO-{stage})"
+    if stage == 0 and spec.precision == "fp32":
+        return None  # DeepSpeed steps vlmfast's own optimizer over the module: loaded as DDP loads it
     if stage not in INTO_ZERO_STAGES:
-        return (f"{target}: only ZeRO-1/2/3 keep flat fp32 partitions a full state is loaded into. Set "
-                "deepspeed.zero_stage: 1, 2 or 3, or resume as the checkpoint was written")
+        return (f"{target} with precision {spec.precision}: DeepSpeed wraps the optimizer in its own bf16 / fp16 "
+                "optimizer there, which vlmfast does not load. Set deepspeed.zero_stage: 1, 2 or 3, precision: fp32, "
+                "or resume as the checkpoint was written")
     if optimizer not in ELEMENTWISE_OPTIMIZERS:
         return (f"{target}: optimizer.name '{optimizer}' keeps factored (row / column) state per matrix, which "
                 "DeepSpeed would compute over its flat 1-D partitions instead: the continuation could not be exact. "
                 "Resume as the checkpoint was written, or start a new run (save.resume: never)")
     return None
+
+
+def _leaves_zero(saved: Mapping[str, Any]) -> bool:
+    """Whether a DeepSpeed checkpoint converts to the full state: ZeRO-1/2/3 (flat fp32 partitions, merged), or
+    ZeRO-0 in fp32 (vlmfast's own optimizer's state, as DDP's)."""
+    stage = saved.get("deepspeed", {}).get("zero_stage", 2)
+    return stage in CONVERTIBLE_ZERO_STAGES or (stage == 0 and saved.get("precision", "fp32") == "fp32")
 
 
 def transfer_accepts(saved: Mapping[str, Any], spec: Any) -> tuple[str, ...]:

@@ -45,6 +45,8 @@ def full_state_from_zero(folder: str | Path, trainable_only: bool = False) -> di
     from deepspeed.utils.zero_to_fp32 import get_model_state_file, get_optim_files
 
     folder = Path(folder)
+    if not list(folder.glob("*_optim_states.pt")):  # ZeRO-0: the module and vlmfast's optimizer, as DDP has them
+        return _full_state_from_zero0(load_weights_only(get_model_state_file(str(folder), 0)), trainable_only)
     shards = [load_weights_only(file)["optimizer_state_dict"] for file in get_optim_files(str(folder))]
     stage = int(shards[0].get("zero_stage", 0))
     partitions = shards[0]["partition_count"]
@@ -163,3 +165,14 @@ def _merge3(flat_per_rank: list[list[torch.Tensor]], models: list[Any]) -> dict[
 def _quiet_progress() -> contextlib.AbstractContextManager[Any]:
     """zero_to_fp32 wraps its loop in tqdm (to stderr): silenced."""
     return contextlib.redirect_stderr(io.StringIO())
+
+
+def _full_state_from_zero0(module_state: Mapping[str, Any], trainable_only: bool) -> dict[str, Any]:
+    """A ZeRO-0 checkpoint in fp32: DeepSpeed stepped vlmfast's optimizer itself and saved its ``state_dict()`` next to
+    the module's (``engine.py`` ``_common_checkpoint_state``: ``optimizer`` when there is no ZeRO optimizer)."""
+    optimizer = module_state.get("optimizer")
+    if not isinstance(optimizer, Mapping) or not {"state", "param_groups"} <= set(optimizer):
+        raise ValueError("a ZeRO-0 checkpoint without a torch optimizer state (DeepSpeed's bf16 / fp16 optimizer "
+                         "wrote it): it does not convert to another engine; resume it with engine: deepspeed")
+    return {"model": {name: value.detach() for name, value in module_state["module"].items()},
+            "optimizer": optimizer, **({"trainable_only": True} if trainable_only else {})}
