@@ -10,9 +10,10 @@ same factory over the same named parameters, so number k is the k-th parameter o
 any other wrote. DeepSpeed writes per-rank ZeRO shards of its own (fp32 partitions, its own optimizer layout): a
 ZeRO-1/2/3 checkpoint is merged into that full state (vlmfast.engines.zero_state, DeepSpeed's zero_to_fp32 merge),
 so it continues on any rank count with another engine. The other way, a full state is loaded into a ZeRO-1/2/3 engine
-through DeepSpeed's own accessors (vlmfast.engines.zero_load), on any rank count. Refused, naming both sides: a
-ZeRO-0 checkpoint to another engine or layout, a full state into ZeRO-0 or with a factored optimizer (Adafactor,
-whose state DeepSpeed would compute on flat partitions). A ZeRO-1/2/3 checkpoint on another DeepSpeed rank count or
+through DeepSpeed's own accessors (vlmfast.engines.zero_load), on any rank count. ZeRO-0 in fp32 steps vlmfast's own
+optimizer, so its state goes both ways as DDP's does. Refused, naming both sides: ZeRO-0 in bf16 / fp16 (DeepSpeed's
+own optimizer wrapper) either way, a full state into ZeRO-1/2/3 with a factored optimizer (Adafactor, whose state
+DeepSpeed would compute on flat partitions). A ZeRO-1/2/3 checkpoint on another DeepSpeed rank count or
 stage is merged, then loaded into the new layout.
 
 Usage::
