@@ -141,6 +141,17 @@ def assert_gradients_close(actual, expected, rtol: float = 1e-5, names=None) -> 
         assert worst <= rtol * scale, f"{name}: largest error {worst:.2e} > {rtol} x the gradient's largest entry"
 
 
+class Float64:
+    """The collate_fn of a float64 model: floating tensors (pixels) as float64."""
+
+    def __init__(self, collate) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list) -> dict:
+        return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in self.collate(samples).items()}
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP spin-waits cost 50x:

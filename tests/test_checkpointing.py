@@ -28,13 +28,7 @@ LLAVA_LM = ["model.language_model.layers.0", "model.language_model.layers.1"]
 LLAVA_BLOCKS = ["model.vision_tower.encoder.layers.0", "model.vision_tower.encoder.layers.1", *LLAVA_LM]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors: a second intra-op thread only spin-waits, and on a busy 2-core machine that triples the run time.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from conftest import TinyCausalLM, spawn_two_ranks
+from conftest import Float64, TinyCausalLM, spawn_two_ranks
 
 from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.data.rank_balance import CostModel, RankBalancedBatchSampler, deal, imbalance, positional_shares
@@ -114,17 +114,6 @@ COMPOSED = {"cost+token-budget": {"micro_batch_tokens": 160}}  # shares split by
 
 
 # ---- the compositions: each trained with `off` and `cost` in the one 2-rank launch -------------------------------
-class Float64:
-    """The collate_fn of a float64 model: floating tensors (pixels) as float64."""
-
-    def __init__(self, collate) -> None:
-        self.collate = collate
-
-    def __call__(self, samples: list) -> dict:
-        return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                for k, v in self.collate(samples).items()}
-
-
 class OneImagePerGlobalBatch(torch.utils.data.Dataset):
     """Zoo LLaVA samples with an image only in the first of every 8 (a global batch, unshuffled). Dealt by cost (an
     image costs 1,000 tokens), rank 0 gets that sample alone and rank 1 the 7 text-only ones: rank 1 never runs the

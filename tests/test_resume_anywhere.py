@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyCausalLM, TokenDataset, spawn_two_ranks
+from conftest import Float64, TinyCausalLM, TokenDataset, spawn_two_ranks
 
 from vlmfast import OptimizedTrainer, TrainSpec
 from vlmfast.checkpoints.store import load_checkpoint
@@ -265,17 +265,6 @@ def test_every_step_deals_the_same_global_batch_on_any_rank_count_and_after_a_re
 
 
 # ---- the tiny VLM with packing, rank balance and the token budget, 2 ranks -> 1 -------------------------------------
-class Float64:
-    """The collate_fn of a float64 model: floating tensors (pixels) as float64."""
-
-    def __init__(self, collate) -> None:
-        self.collate = collate
-
-    def __call__(self, samples: list) -> dict:
-        return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                for k, v in self.collate(samples).items()}
-
-
 def _fingerprint(pixels: torch.Tensor) -> tuple[float, float]:
     return round(float(pixels.double().sum()), 6), round(float(pixels.double().square().sum()), 6)
 

@@ -25,12 +25,7 @@ from vlmfast.common.image_path import find_image_modules  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
 
 
 @pytest.fixture(scope="module")

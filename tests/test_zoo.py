@@ -37,13 +37,7 @@ def spec(micro_batch_size: int = 8, **extra: object) -> TrainSpec:
     return TrainSpec(**{**base, **extra})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP spin-waits cost 50x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
 
 
 @pytest.fixture(scope="module", params=ZOO)

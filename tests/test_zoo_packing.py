@@ -46,12 +46,7 @@ REFUSED = {  # family -> what the refusal must say: refused by its batch layout,
 MEASURED_REFUSAL = r"packing is not exact for \w+"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one intra-op thread
 
 
 def spec(**packing: object) -> TrainSpec:
