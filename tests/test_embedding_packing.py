@@ -150,3 +150,30 @@ def test_trainer_packing_by_embeddings_trains_the_same_as_padding(tiny) -> None:
 
 def _double(batch: dict) -> dict:
     return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def test_a_document_longer_than_the_budget_gets_a_row_of_its_own() -> None:
+    layout = RowLayout.plan(MASK, max_tokens=2)
+    assert sorted(map(sorted, layout.document_lengths)) == [[1, 3], [3], [5]]
+
+
+def test_calls_that_build_a_kv_cache_are_not_packed() -> None:
+    """With a cache being built the model's mask ignores restarting positions: such a call runs padded."""
+    from conftest import tiny_llama
+
+    model = tiny_llama()
+    batch = {"input_ids": torch.randint(3, 50, (3, 7)),
+             "attention_mask": torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])}
+    packing = EmbeddingPacking(max_tokens=64)
+    packing.install(model, batch)
+    with torch.no_grad():
+        model(**batch, use_cache=False)
+        assert packing.calls == 1
+        model(**batch, use_cache=True)
+        assert packing.calls == 1
+    packing.remove()
+
+
+def test_loader_row_fields_are_refused_at_the_embeddings_level() -> None:
+    with pytest.raises(ValueError, match=r"packing\.pad_to_max_tokens shapes the loader's packed rows"):
+        TrainSpec(packing={"enabled": True, "level": "embeddings", "pad_to_max_tokens": True})

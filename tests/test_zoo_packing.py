@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import re
 
 import pytest
@@ -242,3 +243,43 @@ def test_packing_level_auto_packs_ids_where_exact_else_embeddings(name, level):
     assert trainer.spec.packing.level == level
     assert isinstance(trainer.collate_fn, PackingCollator) == (level == "ids")
     assert any(s.name == "packing" for s in trainer.strategies) == (level == "embeddings")
+
+
+def _flash_stand_in(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, **kwargs):
+    """What a flash kernel computes, on the CPU: causal attention per row (the padding after a row's tokens never
+    reaches them), or per segment of the flattened rows when given their boundaries (flash varlen)."""
+    b, h, t, d = query.shape
+    key, value = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (key, value))
+    if cu_seq_lens_q is None:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling).transpose(1, 2), None
+    q, k, v = (x.transpose(1, 2).reshape(b * t, h, d) for x in (query, key, value))
+    bounds = cu_seq_lens_q.tolist()
+    parts = [F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                                            scale=scaling)[0].transpose(0, 1) for s, e in itertools.pairwise(bounds)]
+    return torch.cat(parts).view(b, t, h, d), None
+
+
+def test_a_flash_kernel_keeps_packed_documents_apart_only_with_their_boundaries():
+    """Hugging Face's flash path reads packed documents from positions on a batch of one row only. With a CPU stand-in
+    for the kernel: id-level packing is refused by the probe's two-row pass (it would leak in training), packing by
+    embeddings hands the kernel the documents' boundaries and is exact."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register("flash_attention_cpu_stand_in", _flash_stand_in)
+    AttentionMaskInterface.register("flash_attention_cpu_stand_in", flash_attention_mask)
+    model = copy.deepcopy(cached_case("llava").model)
+    model.set_attn_implementation({"text_config": "flash_attention_cpu_stand_in"})
+    case = cached_case("llava")
+    with pytest.raises(ValueError, match=r"packing is not exact.*packed into one row and into two.*flash"):
+        OptimizedTrainer(copy.deepcopy(model), case.samples[:N], spec(max_tokens=4096), collate_fn=case.collate_fn)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    whole_batch = spec(max_tokens=40, level="embeddings").model_dump()
+    whole_batch["micro_batch_size"] = N  # one micro-batch of N samples: several rows of several documents
+    trainer = OptimizedTrainer(model, case.samples[:N], TrainSpec.model_validate(whole_batch),
+                               collate_fn=case.collate_fn)
+    trainer.fit()
+    packing = next(s for s in trainer.strategies if s.name == "packing").packing
+    assert packing.rows < packing.padded_rows and packing.rows > packing.calls  # several rows of several documents
+    error = update_error(model, before, padded_gradient(case, case.samples[:N]))
+    assert error <= TOLERANCE, f"off by {error:.2e}"

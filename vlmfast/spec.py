@@ -531,6 +531,17 @@ class PackingSpec(Section):
         "embeddings. Each is checked against padding before training"
     )
 
+    @model_validator(mode="after")
+    def _ids_only_fields(self) -> PackingSpec:
+        if self.level == "embeddings":
+            set_here = [name for name, default in (("pad_to_max_tokens", False), ("image_layout", "auto"),
+                                                   ("image_tokens", None)) if getattr(self, name) != default]
+            if set_here:
+                raise ValueError(f"packing.{set_here[0]} shapes the loader's packed rows, which packing.level "
+                                 "embeddings has none of (each micro-batch is packed at the language model): leave "
+                                 "it unset, or use packing.level: ids")
+        return self
+
     @property
     def packs_ids(self) -> bool:
         """The loader packs input_ids (``enabled`` at ``level: ids``)."""

@@ -48,9 +48,10 @@ class RowLayout:
 
     @classmethod
     def plan(cls, attention_mask: Tensor | None, max_tokens: int, *, shape: tuple[int, int] | None = None,
-             algorithm: Algorithm = "best_fit_decreasing") -> RowLayout:
+             algorithm: Algorithm = "best_fit_decreasing", halves: bool = False) -> RowLayout:
         """The layout of a batch with this 2-D ``attention_mask`` (None: ``shape`` [B, T], no padding). Reads the
-        lengths to the host once (the plan is host work); raises ``ValueError`` for a mask with holes."""
+        lengths to the host once (the plan is host work); raises ``ValueError`` for a mask with holes. A document
+        longer than ``max_tokens`` gets a row of its own; ``halves``: rows of half the batch's tokens instead."""
         if attention_mask is None:
             if shape is None:
                 raise ValueError("RowLayout.plan needs an attention_mask or the batch shape")
@@ -68,13 +69,16 @@ class RowLayout:
                 raise ValueError("packing needs each sample's real tokens in one run (attention_mask 0...0 1...1 "
                                  "0...0: right or left padding); a mask with holes cannot be packed")
             device = attention_mask.device
+        if halves:
+            max_tokens = -(-sum(lengths) // 2)
         return cls._build(lengths, starts, b, t, max_tokens, algorithm, device)
 
     @classmethod
     def _build(cls, lengths: Sequence[int], starts: Sequence[int], b: int, t: int, max_tokens: int,
                algorithm: Algorithm, device: torch.device) -> RowLayout:
         documents = [i for i in range(b) if lengths[i] > 0]  # an all-padding row has no document
-        rows = [[documents[j] for j in row] for row in plan_rows([lengths[i] for i in documents], max_tokens,
+        budget = max([max_tokens, *(lengths[i] for i in documents)])  # a longer document: a row of its own
+        rows = [[documents[j] for j in row] for row in plan_rows([lengths[i] for i in documents], budget,
                                                                  algorithm)] if documents else [[]]
         width = max(max(sum(lengths[i] for i in row) for row in rows), 1)
         longest = max(lengths, default=1) or 1
@@ -100,6 +104,11 @@ class RowLayout:
         moved = torch.stack([source, real.long(), document, positions]).to(device, non_blocking=True)
         return cls(b, t, len(rows), width, moved[0].flatten(), moved[1].flatten().bool(), target.to(device),
                    moved[2], moved[3], [[lengths[i] for i in row] for row in rows])
+
+    @property
+    def documents(self) -> int:
+        """How many documents the rows hold."""
+        return sum(len(row) for row in self.document_lengths)
 
     # ---- per-token tensors ------------------------------------------------------------------------------------
 
@@ -145,6 +154,13 @@ class RowLayout:
         blocked = torch.finfo(own.dtype).min
         return torch.where(padding_self, torch.zeros((), dtype=own.dtype, device=own.device),
                            torch.where(same, own, torch.full((), blocked, dtype=own.dtype, device=own.device)))
+
+    def varlen_boundaries(self) -> tuple[Tensor, int]:
+        """Flash-attention varlen arguments for the rows flattened into one sequence: the cumulative lengths of every
+        document and every row's padding tail (int32, on the device) and the longest of them (a host int)."""
+        segments = [n for r, row in enumerate(self.document_lengths) for n in (*row, self.width - sum(row)) if n]
+        cumulative = torch.tensor([0, *segments], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cumulative.to(self.document.device, non_blocking=True), max(segments)
 
     def document_mask(self, additive_dtype: torch.dtype | None = None) -> Tensor:
         """A causal mask [R, 1, W, W] that keeps each document to itself (a padding slot sees itself): for a model

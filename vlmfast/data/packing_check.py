@@ -64,25 +64,34 @@ def check_packing(model: nn.Module, samples: Sequence[Any], collate: PackingColl
         return 0.0  # documents given directly: there is no padded batch to compare with
     padded = collate.collate_fn(list(samples))
     one_row = dataclasses.replace(collate, max_tokens=1 << 30, pad_to_max_tokens=False)
-    packed = one_row.pack(list(samples))  # layouts packing cannot keep are refused here (PackingError)
+    packed = [one_row.pack(list(samples))]  # layouts packing cannot keep are refused here (PackingError)
+    lengths = packed[0].document_lengths[0]
+    # and two rows of several documents: a kernel that tells documents apart on one row only (Hugging Face's flash
+    # path reads packed positions at batch size 1) is caught here, not in training
+    halves = dataclasses.replace(one_row, max_tokens=max(max(lengths), -(-sum(lengths) // 2)))
+    packed.append(halves.pack(list(samples)))
     device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
     outputs = _forward(model, [padded], loss_fn, device)
     try:
-        outputs += _forward(model, [packed.tensors], loss_fn, device)
+        outputs += _forward(model, [p.tensors for p in packed], loss_fn, device)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:  # the padded batch ran: packing broke it
         raise PackingError(
             f"packing: {type(model).__name__} fails on packed rows ({type(error).__name__}: {error}); the packed "
-            f"batch has {_shapes(packed.tensors)}. Check packing.image_layout (auto keeps the layout the model "
+            f"batch has {_shapes(packed[0].tensors)}. Check packing.image_layout (auto keeps the layout the model "
             "takes) or set packing.enabled: false") from error
-    error, what = _difference(outputs, padded, packed.rows[0], _placeholders(packed, collate, padded))
+    measured = [_difference([outputs[0], out], padded, p.rows, _placeholders(p, collate, padded))
+                for out, p in zip(outputs[1:], packed, strict=True)]
+    error, what = max(measured)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
     if not error <= tolerance:
         raise PackingError(
-            f"packing is not exact for {type(model).__name__}: packed into one row, {len(samples)} samples give "
+            f"packing is not exact for {type(model).__name__}: packed into one row and into two, {len(samples)} "
+            f"samples give "
             f"{what} {error:.1e} away from the padded batch's (tolerance {tolerance:.0e}). Its attention is not "
             "restricted to each document: e.g. a prefix-LM mask over token_type_ids laid over the whole row "
-            "(PaliGemma: every document's prefix sees the others'), or a model that ignores position_ids. Training "
+            "(PaliGemma: every document's prefix sees the others'), a model that ignores position_ids, or a flash "
+            "kernel that reads packed positions on a single row only (Hugging Face's flash_attention_2). Training "
             "would be silently wrong; set packing.level: embeddings (or auto) to pack where the language model takes "
             "its embeddings, or packing.enabled: false (data.group_by_length also cuts padding)")
     return error
@@ -130,7 +139,7 @@ def _placeholders(packed: Any, collate: PackingCollator, padded: Mapping[str, An
     return [collate.image_tokens if per_sample else 0 for _ in range(int(padded["input_ids"].shape[0]))]
 
 
-def _difference(outputs: list[Any], padded: Mapping[str, Any], row: list[int],
+def _difference(outputs: list[Any], padded: Mapping[str, Any], rows: list[list[int]],
                 placeholders: list[int]) -> tuple[float, str]:
     """Largest difference of each document's logits (relative to the largest padded logit), else of the loss."""
     logits_padded, logits_packed = (_logits(o) for o in outputs)
@@ -143,12 +152,14 @@ def _difference(outputs: list[Any], padded: Mapping[str, Any], row: list[int],
         a, b = (_loss(o) for o in outputs)
         return float((a - b).abs() / a.abs().clamp_min(1e-12)), "a loss"
     assert logits_padded is not None and logits_packed is not None
-    start, worst = 0, 0.0
-    for i in row:
-        begin = start + placeholders[i]
-        here = logits_packed[0, begin : begin + lengths[i]].float()
-        worst = max(worst, float((here - logits_padded[i, first[i]: first[i] + lengths[i]].float()).abs().max()))
-        start = begin + lengths[i]
+    worst = 0.0
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            begin = start + placeholders[i]
+            here = logits_packed[r, begin : begin + lengths[i]].float()
+            worst = max(worst, float((here - logits_padded[i, first[i]: first[i] + lengths[i]].float()).abs().max()))
+            start = begin + lengths[i]
     return worst / max(float(logits_padded.float().abs().max()), 1e-12), "logits"
 
 
@@ -162,8 +173,10 @@ def choose_packing_level(model: nn.Module, spec: Any, samples: Sequence[Any],
     """
     from vlmfast.data.packing import build_packing_collator
 
-    if not samples:
-        return "embeddings", "no samples to measure id-level packing on"
+    if not samples:  # nothing to measure either level on: ids, unverified, as `level: ids` would be
+        logger.warning("packing.level auto: no samples can be spared to measure packing (a DataLoader or a stream): "
+                       "id-level packing, not verified; pass a Dataset to have it checked")
+        return "ids", ""
     try:
         check_packing(model, samples, build_packing_collator(spec, model, collate_fn), loss_fn=loss_fn)
     except PackingError as refused:

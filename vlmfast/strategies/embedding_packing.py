@@ -3,13 +3,15 @@
 Id-level packing (:mod:`vlmfast.data.packing`) packs ``input_ids`` in the loader, so it must know each family's
 image convention (placeholders, query tokens, patch layouts, per-sample keys). This strategy packs one step later,
 where every family agrees: at the entry of the language model, the module that receives ``inputs_embeds`` from the
-model's own embedding and image-merge code (found by probing a forward, never by name). For each call with a padded
-batch, a forward pre-hook unpads the rows (the 2-D ``attention_mask``), packs them into rows of at most
-``packing.max_tokens`` (:class:`vlmfast.data.packed_rows.RowLayout`) with per-document positions (multi-axis mRoPE
-positions: each token's own, plus restarting text positions in channel 0) and attention kept inside each document
-(positions that restart, or a 4-D mask the model built, gathered per document); a forward hook scatters the outputs
-back to the padded layout, so the head, the loss, the chunked cross-entropy and everything after see what they see
-without packing. Gradients flow through the same gather and scatter, exactly.
+model's own embedding and image-merge code (found by probing a forward, never by name; a model that merges its
+images inside the module that embeds the ids has that module packed, its images following the runs of its image
+tokens). For each call with a padded batch, a forward pre-hook unpads the rows (the 2-D ``attention_mask``), packs
+them into rows of at most ``packing.max_tokens`` (:class:`vlmfast.data.packed_rows.RowLayout`) with per-document
+positions (multi-axis mRoPE positions: each token's own, plus restarting text positions in channel 0) and attention
+kept inside each document (positions that restart; a 4-D mask the model built, gathered per document; or, for a
+model whose mask ignores positions, an explicit document mask, chosen by measurement); a forward hook scatters the
+outputs back to the padded layout, so the head, the loss, the chunked cross-entropy and everything after see what
+they see without packing. Gradients flow through the same gather and scatter, exactly.
 
 Where it runs: inside the step, on the device, for each micro-batch. The loader, micro-batches, the token budget and
 the OOM re-split work on padded samples as without packing (the micro-batch is what gets packed); the vision cache
@@ -45,12 +47,13 @@ from vlmfast.strategies.base import Strategy
 if TYPE_CHECKING:
     from vlmfast.spec import PackingSpec
 
-__all__ = ["EmbeddingPacking", "PackEmbeddings", "find_language_model"]
+log = logging.getLogger(__name__)
 
-logger = logging.getLogger(__name__)
+__all__ = ["EmbeddingPacking", "PackEmbeddings", "find_language_model"]
 
 _CACHES = ("cache", "past_key_values")  # a cache means generation: nothing to pack
 _DROPPED = ("cache_position",)  # positions of the padded rows; the packed call makes its own
+_HALF = -2  # a row budget for the check: half the call's tokens (two rows of several documents each)
 
 
 def _refuse(what: str) -> PackingError:
@@ -82,14 +85,20 @@ def find_language_model(model: nn.Module, batch: Mapping[str, Any]) -> nn.Module
                       "reaches the whole encoder row, so packed encoder documents would see each other")
     probe = _Probe(root, tuple(ids.shape))
     frozen = [p for p in root.parameters() if p.requires_grad]
+    modes = {m: m.training for m in root.modules()}
     try:
         for p in frozen:
             p.requires_grad_(False)
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        root.eval()  # no running statistics move, no dropout draws
+        # Autograd only marks what comes from the token embeddings: nothing is saved for a backward that never runs
+        with torch.enable_grad(), torch.random.fork_rng(devices=_cuda_devices(root)), \
+                torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _t: None):
             root(**batch)
     finally:
         for p in frozen:
             p.requires_grad_(True)
+        for m, training in modes.items():
+            m.training = training
         probe.remove()
     found = probe.language_model()
     if found is None:
@@ -163,6 +172,11 @@ class _Probe:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _cuda_devices(model: nn.Module) -> list[torch.device]:
+    """The CUDA devices the model's weights are on (their generators are forked around a probe)."""
+    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
 
 
 def _mark_token_embeddings(shape: tuple[int, ...]) -> Any:
@@ -258,17 +272,23 @@ class EmbeddingPacking:
         named = _bound(module, args, kwargs)
         rows = _token_rows(named)
         self._last = None
-        if not self.active or rows is None or any(named.get(key) is not None for key in _CACHES):
+        if not self.active or rows is None or any(named.get(key) is not None for key in _CACHES) \
+                or named.get("use_cache") is True:  # a cache being built: the model would ignore the documents
             self._layouts.append(None)
             return None
         mask = named.get("attention_mask")
         flat_mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
-        layout = RowLayout.plan(flat_mask, self.max_tokens, shape=tuple(rows.shape[:2]), algorithm=self.algorithm)
+        layout = RowLayout.plan(flat_mask, self.max_tokens, shape=tuple(rows.shape[:2]), algorithm=self.algorithm,
+                                halves=self.max_tokens == _HALF)
         packed = {key: self._pack_argument(key, value, named, layout) for key, value in named.items()}
         if "position_ids" not in packed:  # positions that restart per document are what keeps them apart
             packed["position_ids"] = layout.positions
         if "attention_mask" not in packed and self.separation == "document mask":
             packed["attention_mask"] = self._pack_argument("attention_mask", None, named, layout)
+        if _flash_attention(self.language_model):  # Hugging Face's flash path reads positions on one row only
+            cumulative, longest = layout.varlen_boundaries()
+            packed.update(cu_seq_lens_q=cumulative, cu_seq_lens_k=cumulative, max_length_q=longest,
+                          max_length_k=longest)
         self._layouts.append(layout)
         self._last = layout
         self.calls += 1
@@ -302,68 +322,81 @@ class EmbeddingPacking:
 
     def check(self, model: nn.Module, batch: Mapping[str, Any]) -> float:
         """Measure, before training, that packed rows give the padded batch's outputs: ``batch`` (several samples
-        of different lengths, padded) runs with its documents packed into one row and unpacked, no gradient, eval
-        mode, the RNG untouched; the language model's outputs at the real tokens (and the loss, when the model
-        returns one) must match. Restarting positions are tried first; a model that does not read them gets an
-        explicit document mask (``separation``). Raises :class:`PackingError` naming the difference; returns it."""
+        of different lengths, padded) runs padded, then with every document in one row, then in two rows of
+        several documents each (kernels that keep documents apart on one row only are caught), no gradient, eval
+        mode, the RNG untouched; the language model's output at every real token, relative to that token's own,
+        and the loss when the model returns one, must match. Restarting positions are tried first; a model that
+        does not read them gets an explicit document mask (``separation``). Raises :class:`PackingError` naming
+        the difference; returns it. The counters then start from zero."""
         from vlmfast.data.packing_check import HALF_TOLERANCE, TOLERANCE
 
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
-        errors = {}
-        for separation in ("positions", "document mask"):
-            self.separation = separation
-            errors[separation] = self._difference(model, batch)
-            if errors[separation] <= tolerance:
-                return errors[separation]
+        errors: dict[str, float] = {}
+        try:
+            for separation in ("positions", "document mask"):
+                self.separation = separation
+                errors[separation] = self._difference(model, batch)
+                if errors[separation] <= tolerance:
+                    return errors[separation]
+        finally:
+            self.calls = self.rows = self.padded_rows = self.packed_slots = self.padded_slots = 0
         measured = ", ".join(f"{error:.1e} with {how}" if error != float("inf")
                              else f"failing with {how} ({self._failures.get(how)})" for how, error in errors.items())
         raise _refuse(f"not exact for {type(unwrap_model(model)).__name__}: with {_batch_rows(batch)} samples "
-                      f"packed into one row its language model's outputs (or loss) differ from the padded batch's "
-                      f"({measured} keeping the documents apart; tolerance {tolerance:.0e}): something in it is "
-                      "not kept per document")
+                      f"packed into rows its language model's outputs (or loss) differ from the padded batch's "
+                      f"({measured} keeping the documents apart; tolerance {tolerance:.0e}, relative to each "
+                      "token's own output): something in it is not kept per document")
 
     def _difference(self, model: nn.Module, batch: Mapping[str, Any]) -> float:
+        """The largest per-token difference of the packed runs (one row; two rows) from the padded run."""
         lm = self.language_model
         if lm is None:
             raise RuntimeError("EmbeddingPacking.check before install")
         seen: list[Any] = []
         watch = lm.register_forward_hook(lambda _m, _a, out: seen.append((_first_tensor(out), self._last)))
-        max_tokens, self.max_tokens = self.max_tokens, 1 << 30  # every document in one row: the hardest case
-        was_training = model.training
+        max_tokens, was_training = self.max_tokens, model.training
         model.eval()
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)):
                 with self.paused():
-                    padded = model(**batch)
-                packed = model(**batch)
-        except (RuntimeError, ValueError, TypeError, IndexError) as error:  # packing broke the forward
-            self._failures[self.separation] = f"{type(error).__name__}: {str(error)[:200]}"
-            return float("inf")
+                    outputs = [model(**batch)]  # the model's own failure is not packing's: it propagates
+                for budget in (1 << 30, _HALF):
+                    self.max_tokens = budget
+                    try:
+                        outputs.append(model(**batch))
+                    except torch.OutOfMemoryError:
+                        raise
+                    except (RuntimeError, ValueError, TypeError, IndexError) as error:  # packing broke the forward
+                        self._failures[self.separation] = f"{type(error).__name__}: {str(error)[:200]}"
+                        return float("inf")
         finally:
             watch.remove()
             self.max_tokens = max_tokens
             model.train(was_training)
-        if len(seen) != 2 or seen[1][1] is None:
-            raise _refuse(f"the language model ran {len(seen)} times for one padded and one packed forward, or "
+        if len(seen) != 3 or any(layout is None for _, layout in seen[1:]):
+            raise _refuse(f"the language model ran {len(seen)} times for one padded and two packed forwards, or "
                           "was not packed")
-        (reference, _), (ours, layout) = seen
-        real = (layout.target != layout.rows * layout.width).view(layout.batch, layout.length)
-        kept = reference.shape[1] if reference.dim() >= 2 else 0  # unpacked, it may return its last positions only
-        real, ours = real[:, layout.length - kept:], ours[:, ours.shape[1] - kept:]
-        scale = float(reference[real].abs().max().clamp_min(1e-12))
-        error = float((reference[real].float() - ours[real].float()).abs().max()) / scale
-        losses = [_loss_of(out) for out in (padded, packed)]
-        if losses[0] is not None and losses[1] is not None:
-            error = max(error, float((losses[0] - losses[1]).abs() / losses[0].abs().clamp_min(1e-12)))
-        return error
+        if seen[1][1].documents < 2:
+            log.warning("packing.level: embeddings: not verified (the probe batch has fewer than 2 documents); "
+                        "pass a Dataset with several samples")
+        reference = seen[0][0]
+        errors = [_token_difference(reference, ours, layout) for ours, layout in (seen[1], seen[2])]
+        losses = [_loss_of(out) for out in outputs]
+        if all(loss is not None for loss in losses):
+            errors += [float((loss - losses[0]).abs() / losses[0].abs().clamp_min(1e-12)) for loss in losses[1:]]
+        return max(errors)
 
     def describe(self) -> str:
         if self.language_model is None:
             return ""
+        name = type(self.language_model).__name__
+        if not self.calls:
+            return f"packing by embeddings: {name} hooked, but no call was packed (none with token rows and no cache)"
         saved = 1 - self.packed_slots / self.padded_slots if self.padded_slots else 0.0
-        return (f"packing by embeddings: {type(self.language_model).__name__} runs on packed rows of at most "
-                f"{self.max_tokens} tokens ({self.calls} calls, {saved:.0%} of the padded positions saved)")
+        return (f"packing by embeddings: {name} runs on packed rows of at most {self.max_tokens} tokens "
+                f"({self.calls} calls, {self.padded_rows} padded rows as {self.rows}, {saved:.0%} of the padded "
+                "positions saved)")
 
 
 def _token_rows(named: Mapping[str, Any]) -> Tensor | None:
@@ -408,7 +441,8 @@ def _follow_selection(key: str, value: Any, named: Mapping[str, Any], layout: Ro
     ``visual_pos_masks``), or one per run of image tokens in ``input_ids`` (images that become tokens inside the
     call: Chameleon's ``pixel_values``), follow their tokens; anything else cannot be laid out and is refused,
     naming it. (A count that does not match fails the forward, and the check refuses.)"""
-    masks = [v for v in named.values() if layout.is_per_token(v) and v.dim() == 2 and v.dtype == torch.bool]
+    masks = [v for k, v in named.items() if k != "attention_mask" and layout.is_per_token(v) and v.dim() == 2
+             and v.dtype == torch.bool]
     ids = named.get("input_ids")
     if not masks and image_token_ids and layout.is_per_token(ids):
         is_image = torch.isin(ids, torch.tensor(image_token_ids, device=ids.device))
@@ -442,11 +476,31 @@ def _batch_rows(batch: Mapping[str, Any]) -> int:
     return int(ids.shape[0]) if isinstance(ids, Tensor) else 0
 
 
+def _flash_attention(module: nn.Module | None) -> bool:
+    """Whether a Hugging Face module attends with a flash kernel (``flash_attention_2``/``_3``, a hub flash kernel):
+    it keeps packed documents apart on several rows only when given the varlen boundaries."""
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return isinstance(implementation, str) and "flash" in implementation
+
+
 def _additive_dtype(module: nn.Module | None, rows: Tensor | None) -> torch.dtype | None:
     """Eager attention adds its mask to the scores (a float mask); the kernels take a boolean one."""
     config = getattr(module, "config", None)
     eager = getattr(config, "_attn_implementation", None) == "eager"
     return (rows.dtype if rows is not None and rows.is_floating_point() else torch.float32) if eager else None
+
+
+def _token_difference(reference: Tensor, ours: Tensor, layout: RowLayout) -> float:
+    """The largest difference at a real token, relative to that token's own output (one large channel elsewhere
+    cannot hide a document that saw another); an output of the last positions only is compared there."""
+    real = (layout.target != layout.rows * layout.width).view(layout.batch, layout.length)
+    kept = reference.shape[1] if reference.dim() >= 2 else 0
+    real, ours = real[:, layout.length - kept:], ours[:, ours.shape[1] - kept:]
+    expected, got = reference[real].float(), ours[real].float()
+    if expected.dim() == 1:
+        expected, got = expected[:, None], got[:, None]
+    scale = expected.flatten(1).norm(dim=1).clamp_min(1e-6)
+    return float(((got - expected).flatten(1).norm(dim=1) / scale).max()) if scale.numel() else 0.0
 
 
 def _first_tensor(output: Any) -> Tensor:

@@ -96,6 +96,7 @@ class OptimizedTrainer:
         self.state = TrainState()
         self.resharded: dict[str, Any] | None = None  # a resume on another rank count or engine: what changed
         self._say: Callable[[str], None] = _to_stderr  # fit() routes it through its progress bar
+        self._packing_measured = False  # packing.level auto measured id-level packing exact on these samples
 
         if spec.packing.enabled and spec.packing.level == "auto":
             self.spec = spec = self._resolve_packing_level(spec, model, loss_fn)
@@ -136,8 +137,9 @@ class OptimizedTrainer:
                 spec.packing, self.engine.module, collate_fn, shift_labels=self.accumulation.shift_labels is not False,
                 ignore_index=spec.loss.ignore_index)
             # Measured, not assumed: packed documents must give the padded batch's outputs (refused here if not)
-            check_packing(self.engine.module, probe_samples(train_data), self.collate_fn, loss_fn=loss_fn,
-                          device=self.device)
+            if not self._packing_measured:  # packing.level auto measured it already
+                check_packing(self.engine.module, probe_samples(train_data), self.collate_fn, loss_fn=loss_fn,
+                              device=self.device)
         # save.async: the step only waits for a host copy; the write runs in a thread (checkpoint_async.py)
         self.checkpointer = AsyncCheckpointer() if spec.save.async_ else None
         if self.checkpointer is not None:
@@ -183,8 +185,10 @@ class OptimizedTrainer:
 
     def _resolve_packing_level(self, spec: TrainSpec, model: nn.Module, loss_fn: LossFn | None) -> TrainSpec:
         """``packing.level: auto`` made ids or embeddings, measured on the first samples (before any strategy)."""
+        model.to(self.device)  # measured where it trains (the strategies' own moves come later)
         level, why = choose_packing_level(model, spec.packing, probe_samples(self.train_data), self.collate_fn,
                                           loss_fn=loss_fn)
+        self._packing_measured = level == "ids"
         if why:
             log.info("packing.level auto: embeddings (id-level packing refused: %s)", why)
         fields = spec.model_dump()
