@@ -249,6 +249,9 @@ def test_packing_level_auto_packs_ids_where_exact_else_embeddings(name, level):
     assert trainer.spec.packing.level == level
     assert isinstance(trainer.collate_fn, PackingCollator) == (level == "ids")
     assert any(s.name == "packing" for s in trainer.strategies) == (level == "embeddings")
+    said = trainer.fit().report.to_text()  # the run report says which level, and why
+    assert f"packing.level auto: {level}" in said
+    assert ("id-level packing refused: packing" in said) == (level == "embeddings"), said
 
 
 def _flash_stand_in(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, **kwargs):

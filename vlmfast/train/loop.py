@@ -97,6 +97,7 @@ class OptimizedTrainer:
         self.resharded: dict[str, Any] | None = None  # a resume on another rank count or engine: what changed
         self._say: Callable[[str], None] = _to_stderr  # fit() routes it through its progress bar
         self._packing_measured = False  # packing.level auto measured id-level packing exact on these samples
+        self._packing_auto: str | None = None  # packing.level auto: why ids were refused ("" when they were not)
 
         if spec.packing.enabled and spec.packing.level == "auto":
             self.spec = spec = self._resolve_packing_level(spec, model, loss_fn)
@@ -186,9 +187,10 @@ class OptimizedTrainer:
     def _resolve_packing_level(self, spec: TrainSpec, model: nn.Module, loss_fn: LossFn | None) -> TrainSpec:
         """``packing.level: auto`` made ids or embeddings, measured on the first samples (before any strategy)."""
         model.to(self.device)  # measured where it trains (the strategies' own moves come later)
-        level, why = choose_packing_level(model, spec.packing, probe_samples(self.train_data), self.collate_fn,
-                                          loss_fn=loss_fn)
-        self._packing_measured = level == "ids"
+        samples = probe_samples(self.train_data)
+        level, why = choose_packing_level(model, spec.packing, samples, self.collate_fn, loss_fn=loss_fn)
+        self._packing_measured = level == "ids" and bool(samples)
+        self._packing_auto = why
         if why:
             log.info("packing.level auto: embeddings (id-level packing refused: %s)", why)
         fields = spec.model_dump()
@@ -740,6 +742,10 @@ class OptimizedTrainer:
         """Report lines for the data-side switches, which are not strategies (they act in the loader)."""
         packing, grouping = self.spec.packing, self.spec.data.group_by_length
         lines = [f"packing: rows of {packing.max_tokens} tokens ({packing.algorithm})"] if packing.packs_ids else []
+        if self._packing_auto is not None:  # packing.level auto: which level, and why
+            lines.append(f"packing.level auto: {packing.level}" + (
+                f" (id-level packing refused: {self._packing_auto[:200]})" if self._packing_auto
+                else " (id-level packing measured exact)" if self._packing_measured else " (not verified)"))
         autotune = getattr(self.loader, "autotune", None)  # num_workers auto: the choice, the step rate, why
         lines += [f"data: num_workers auto {autotune.reason}"] if autotune is not None else []
         return lines + ([f"data: grouped by {grouping.replace('_', ' ')}"] if grouping != "none" else [])
