@@ -162,27 +162,29 @@ def test_the_probe_catches_wrong_positions():
         check_packing(case.model, case.samples[:4], PackingCollator(**{**collate.__dict__, "position_ids_fn": None}))
 
 
-@pytest.mark.parametrize("name", ["paligemma", "llava", "mllama"])
+@pytest.mark.parametrize("name", ["paligemma", "llava", "mllama", "gemma3"])
 def test_the_doctor_offers_packing_only_to_models_that_pack(name):
     """`vlmfast doctor` checks its advice: a padding-heavy model packing refuses (Mllama, by its layout; PaliGemma
     where the probe measures it inexact) is told to group by length, one that packs exactly is told to pack."""
-    from vlmfast.profiling.doctor import Evidence, diagnose, packing_refusal
+    from vlmfast.profiling.doctor import Evidence, diagnose, packing_offer
 
-    case = build_case(name)
+    case = cached_case(name)
     plain = spec().model_copy(update={"packing": spec().packing.model_copy(update={"enabled": False})})
     trainer = OptimizedTrainer(copy.deepcopy(case.model), case.samples[:N], plain, collate_fn=case.collate_fn)
-    refusal = packing_refusal(trainer)
+    refusal, level = packing_offer(trainer)
+    if name == "gemma3":  # id-level packing is measured inexact; packing by embeddings is offered, measured exact
+        assert refusal is None and level == "embeddings"
     if name in REFUSED:
         assert refusal is not None and re.search(REFUSED[name], refusal), refusal
     elif refusal is not None:
         assert re.search(MEASURED_REFUSAL, refusal), refusal
     evidence = Evidence([{"perf/step_time": 1.0, "perf/forward": 0.4, "perf/backward": 0.5}], plain,
-                        padding_fraction=0.5, packing_refused=refusal)
+                        padding_fraction=0.5, packing_refused=refusal, packing_level=level)
     padding = next(f for f in diagnose(evidence) if f.key == "padding")
     if refusal:
         assert padding.change == {"data.group_by_length": "length"} and "packing is refused" in padding.advice
     else:
-        assert padding.change == {"packing.enabled": True}
+        assert padding.change == {"packing.enabled": True, **({"packing.level": level} if level != "ids" else {})}
 
 
 def test_a_layout_the_model_cannot_take_is_refused_naming_packing():

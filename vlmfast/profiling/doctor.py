@@ -69,6 +69,7 @@ class Evidence:
     tokens_per_micro_batch: float | None = None  # padded tokens a micro-batch holds now
     length_spread: float | None = None  # longest / median sample length in a few batches
     packing_refused: str | None = None  # why packing would be refused for this model and data (None: it packs)
+    packing_level: str = "ids"  # the level that packs exactly ("embeddings" where id-level packing is refused)
     trainable_params: int | None = None  # parameters that train (a LoRA run: adapters and modules_to_save)
     total_params: int | None = None
     model_state_gb: float | None = None  # estimated weights + gradients + optimizer states, as the run trains
@@ -300,7 +301,8 @@ def _padding(ev: Evidence) -> Finding | None:
         return None
     compute = ev.share("language_model_forward") * 3 or ev.share("forward") + ev.share("backward")
     # Checked advice only: packing is offered when the model packs exactly (collect_evidence measured it)
-    candidates = ([] if ev.packing_refused else [{"packing.enabled": True}]) + [{"data.group_by_length": "length"}]
+    pack = {"packing.enabled": True, **({"packing.level": ev.packing_level} if ev.packing_level != "ids" else {})}
+    candidates = ([] if ev.packing_refused else [pack]) + [{"data.group_by_length": "length"}]
     change = _first_valid(ev.spec, candidates)
     advice = ("packing concatenates short samples (document masks keep them apart); grouping by length "
               "pads each batch only to its own longest sample")
@@ -534,7 +536,7 @@ def collect_evidence(trainer: Any, result: Any) -> Evidence:
         bf16_supported=torch.cuda.is_bf16_supported() if cuda else True,
         vision_frozen=_vision_frozen(trainer.engine.module, getattr(getattr(profiler, "timer", None), "parts", None)),
         vocab_size=int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None,
-        tokens_per_micro_batch=tokens, length_spread=spread, packing_refused=packing_refusal(trainer),
+        tokens_per_micro_batch=tokens, length_spread=spread, **_packing_evidence(trainer),
         trainable_params=sum(p.numel() for p in params if p.requires_grad), total_params=sum(p.numel() for p in params),
         model_state_gb=states[0] if states else None, lora_model_state_gb=states[1] if states else None,
     )
@@ -574,14 +576,21 @@ def model_state_estimates(model: Any, spec: TrainSpec) -> tuple[float, float] | 
 
 
 def packing_refusal(trainer: Any) -> str | None:
-    """Why packing would be refused for the trainer's model and data (vlmfast.data.packing_check), None when it
-    packs exactly, is already on, or the data cannot spare samples for the check."""
+    """Why packing would be refused for the trainer's model and data at both levels (vlmfast.data.packing_check,
+    vlmfast.strategies.embedding_packing), None when it packs exactly, is already on, or the data cannot spare
+    samples for the check."""
+    return packing_offer(trainer)[0]
+
+
+def packing_offer(trainer: Any) -> tuple[str | None, str]:
+    """(why packing is refused or None, the level that packs exactly): ids where measured exact, else embeddings
+    where that is, else the id-level refusal."""
     from vlmfast.data.packing import PackingError, build_packing_collator
     from vlmfast.data.packing_check import check_packing, probe_samples
 
     spec = trainer.spec
     if spec.packing.enabled or getattr(trainer, "train_data", None) is None:
-        return None
+        return None, "ids"
     model = trainer.engine.module
     try:
         collate = build_packing_collator(spec.packing, model, trainer.collate_fn, shift_labels=bool(
@@ -589,8 +598,33 @@ def packing_refusal(trainer: Any) -> str | None:
         check_packing(model, probe_samples(trainer.train_data), collate, loss_fn=trainer.accumulation.loss_fn,
                       device=trainer.device)
     except PackingError as error:
-        return f"packing is refused for this model: {str(error).split(';')[0]}"
-    return None
+        refusal = f"packing is refused for this model: {str(error).split(';')[0]}"
+        return (None, "embeddings") if _packs_by_embeddings(trainer, model) else (refusal, "ids")
+    return None, "ids"
+
+
+def _packs_by_embeddings(trainer: Any, model: Any) -> bool:
+    """Whether packing by embeddings is measured exact on the first training samples (the hooks removed after)."""
+    from vlmfast.data.packing import PackingError
+    from vlmfast.strategies.embedding_packing import EmbeddingPacking
+
+    batch = trainer._probe_batch()
+    if batch is None:
+        return False
+    packing = EmbeddingPacking(max_tokens=trainer.spec.packing.max_tokens)
+    try:
+        packing.install(model, batch)
+        packing.check(model, batch)
+    except PackingError:
+        return False
+    finally:
+        packing.remove()
+    return True
+
+
+def _packing_evidence(trainer: Any) -> dict[str, Any]:
+    refusal, level = packing_offer(trainer)
+    return {"packing_refused": refusal, "packing_level": level}
 
 
 def peek_lengths(loader: Any, micro_batch_size: int, batches: int = 4) -> tuple[float | None, float | None]:
